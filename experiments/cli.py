@@ -1,0 +1,238 @@
+"""The `gptrun` command line: a thin shell over gptcore (model world) and experiments (Ray world).
+
+Exit status: 0 success, 2 bad input or usage (one line on stderr, no traceback), 1 a failure at
+run time. Heavy imports (torch, ray) happen inside the handlers so that `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from gptcore.errors import DivergedError, UserError
+
+EPILOG = """\
+examples:
+  gptrun prepare --corpus shakespeare --out data/shakespeare
+  gptrun train experiments/configs/quickstart.toml --local
+  gptrun train experiments/configs/quickstart.toml --workers 2
+  gptrun sample runs/quickstart/checkpoints/last.pt --prompt "ROMEO:"
+  gptrun plan experiments/configs/quickstart.toml
+  gptrun sweep experiments/configs/quickstart.toml --name demo
+  gptrun resume sweeps/demo
+  gptrun report sweeps/demo
+"""
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
+
+
+def _add_cluster(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join: 'auto', 'host:port' or 'ray://host:10001' "
+                        "(default: start a local Ray instance)")
+    p.add_argument("--storage", default=None,
+                   help="where runs and checkpoints live: a path shared by all nodes, or an "
+                        "s3:// / gs:// URI")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gptrun", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Train small GPTs from scratch and sweep their hyperparameters on Ray.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("prepare", help="train a BPE tokenizer and write uint16 token shards",
+                       description="Read a corpus, train (or reuse) a byte-level BPE tokenizer and "
+                                   "write tokenizer.json, train/val uint16 .npy shards and meta.json "
+                                   "into --out, atomically.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--corpus", help="a built-in corpus: shakespeare, kjv, python-stdlib")
+    src.add_argument("--input", nargs="+", metavar="PATH",
+                     help=".txt, .jsonl, .parquet files or folders of them")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--vocab-size", type=int, default=6400, help="BPE vocabulary (default 6400)")
+    p.add_argument("--text-field", default="text",
+                   help="JSONL field / parquet column holding the text (default: text)")
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help="fraction of documents held out for validation (default: 1%% or enough "
+                        "for ~300k tokens, whichever is more, capped at 10%%)")
+    p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training")
+    p.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                   help="what to do with bytes that are not UTF-8 (default: strict = stop)")
+    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPUs)")
+    p.add_argument("--force", action="store_true", help="rebuild even if --out is up to date")
+    p.set_defaults(handler=_prepare)
+
+    p = sub.add_parser("train", help="train one model (Ray Train, or in-process with --local)",
+                       description="Train one model from an experiment TOML. Without --local it "
+                                   "runs as a Ray Train job (DDP over --workers); running the same "
+                                   "command again resumes from the last checkpoint.")
+    p.add_argument("config", help="experiment TOML, e.g. experiments/configs/quickstart.toml")
+    p.add_argument("--data", default=None, help="prepared data folder (overrides data.dir)")
+    p.add_argument("--out", default=None, help="run folder (overrides train.out)")
+    p.add_argument("--local", action="store_true", help="train in this process, without Ray")
+    p.add_argument("--workers", type=int, default=None, help="DDP workers (resources.workers)")
+    p.add_argument("--gpus-per-worker", type=float, default=None)
+    p.add_argument("--cpus-per-worker", type=float, default=None)
+    p.add_argument("--max-failures", type=int, default=3,
+                   help="worker-group restarts from the last checkpoint (default 3)")
+    p.add_argument("--name", default=None, help="Ray run name (default: from the config)")
+    _add_cluster(p)
+    _add_overrides(p)
+    p.set_defaults(handler=_train)
+
+    p = sub.add_parser("sample", help="generate text from a checkpoint")
+    p.add_argument("checkpoint", help="a .pt checkpoint written by gptrun train")
+    p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables nucleus sampling")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="recompute the prefix every token")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json (default: the one in the checkpoint's data folder)")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(handler=_sample)
+
+    p = sub.add_parser("plan", help="what a sweep will cost, before it runs")
+    p.add_argument("config")
+    p.add_argument("--tokens-per-sec", type=float, default=None,
+                   help="per-trial throughput; default: measured by a short probe")
+    p.add_argument("--cpus", type=float, default=None, help="cluster CPUs (default: this machine)")
+    p.add_argument("--gpus", type=float, default=None, help="cluster GPUs (default: this machine)")
+    _add_overrides(p)
+    p.set_defaults(handler=_plan)
+
+    p = sub.add_parser("sweep", help="Optuna (TPE) + ASHA search over lr, weight decay, warmup",
+                       description="Run a Ray Tune sweep. Kill it at any time; `gptrun resume` "
+                                   "continues it without losing trials.")
+    p.add_argument("config")
+    p.add_argument("--name", default=None, help="experiment name (default: config name)")
+    p.add_argument("--restart", action="store_true",
+                   help="delete an existing experiment of this name and start over")
+    _add_cluster(p)
+    _add_overrides(p)
+    p.set_defaults(handler=_sweep)
+
+    p = sub.add_parser("resume", help="continue an interrupted sweep")
+    p.add_argument("experiment_dir")
+    p.add_argument("--address", default=None)
+    p.set_defaults(handler=_resume)
+
+    p = sub.add_parser("report", help="tables, plots, report.html and best.toml for a sweep")
+    p.add_argument("experiment_dir")
+    p.add_argument("--out", default=None, help="where to write (default: EXPERIMENT_DIR/report)")
+    p.set_defaults(handler=_report)
+
+    p = sub.add_parser("confirm", help="re-run the best configs with new seeds: is the win noise?")
+    p.add_argument("experiment_dir")
+    p.add_argument("--top", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--address", default=None)
+    p.set_defaults(handler=_confirm)
+    return parser
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from gptcore.prepare import prepare
+
+    prepare(inputs=args.input or [], corpus=args.corpus, out=args.out,
+            vocab_size=args.vocab_size, text_field=args.text_field,
+            val_fraction=args.val_fraction, tokenizer=args.tokenizer, force=args.force,
+            errors=args.errors, workers=args.workers)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from gptcore.config import load_config
+
+    overrides = list(args.overrides)
+    if args.data:
+        overrides.append(f"data.dir={_toml_str(args.data)}")
+    if args.out:
+        overrides.append(f"train.out={_toml_str(args.out)}")
+    for flag, key in (("workers", "workers"), ("gpus_per_worker", "gpus_per_worker"),
+                      ("cpus_per_worker", "cpus_per_worker")):
+        if getattr(args, flag) is not None:
+            overrides.append(f"resources.{key}={getattr(args, flag)}")
+    cfg = load_config(args.config, overrides)
+    if args.local:
+        from gptcore.run import train_local
+
+        train_local(cfg)
+        return 0
+    from experiments.train import train_on_ray
+
+    return train_on_ray(cfg, address=args.address, storage=args.storage, name=args.name,
+                        max_failures=args.max_failures)
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from gptcore.sample import sample_cli
+
+    sample_cli(args.checkpoint, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+               use_cache=not args.no_cache, tokenizer=args.tokenizer, device=args.device)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from experiments.plan import plan_cli
+
+    return plan_cli(args.config, args.overrides, tokens_per_sec=args.tokens_per_sec,
+                    cpus=args.cpus, gpus=args.gpus)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from experiments.sweep import sweep_cli
+
+    return sweep_cli(args.config, args.overrides, name=args.name, storage=args.storage,
+                     address=args.address, restart=args.restart)
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from experiments.sweep import resume_cli
+
+    return resume_cli(args.experiment_dir, address=args.address)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from experiments.report import report_cli
+
+    return report_cli(args.experiment_dir, out=args.out)
+
+
+def _confirm(args: argparse.Namespace) -> int:
+    from experiments.confirm import confirm_cli
+
+    return confirm_cli(args.experiment_dir, top=args.top, seeds=args.seeds, address=args.address)
+
+
+def _toml_str(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except UserError as err:
+        print(f"gptrun {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except DivergedError as err:
+        print(f"gptrun {args.command}: diverged: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"gptrun {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""Experiment configuration: TOML sections loaded into dataclasses, with `--set a.b=v` overrides.
+
+Every key is checked: an unknown section or key, or a value of the wrong type, raises `UserError`
+with a message that names the key and suggests the closest valid one. A model `preset` fills in the
+model keys it names; keys given explicitly in the file win over the preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import tomli_w
+
+from gptcore.errors import UserError
+
+# Model presets. `minimind-26m` is the MiniMind recipe (llama blocks, GQA with 2 KV heads);
+# `gpt2-124m` is GPT-2 small, but with the project's 6400-token byte-level BPE by default.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(style="gpt2", n_layer=2, n_head=2, n_kv_head=2, d_model=64, seq_len=64),
+    "quickstart": dict(style="gpt2", n_layer=4, n_head=4, n_kv_head=4, d_model=128, seq_len=128),
+    "minimind-26m": dict(style="llama", n_layer=8, n_head=8, n_kv_head=2, d_model=512,
+                         seq_len=512, vocab_size=6400, d_ff=1408),
+    "gpt2-124m": dict(style="gpt2", n_layer=12, n_head=12, n_kv_head=12, d_model=768,
+                      seq_len=1024, vocab_size=6400),
+}
+
+
+@dataclass
+class ModelConfig:
+    preset: str = ""
+    style: str = "gpt2"  # "gpt2" (learned positions, LayerNorm, GELU) | "llama" (RoPE, RMSNorm, SwiGLU)
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 0  # 0 means n_head (plain multi-head attention)
+    d_model: int = 128
+    d_ff: int = 0  # 0 means 4*d_model (gpt2) or MiniMind's 8/3*d_model rounded up to 64 (llama)
+    seq_len: int = 128
+    max_positions: int = 0  # learned-position table size for gpt2 / RoPE limit; 0 means seq_len
+    vocab_size: int = 6400
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.max_positions == 0:
+            self.max_positions = self.seq_len
+        if self.d_ff == 0:
+            self.d_ff = 4 * self.d_model if self.style == "gpt2" else \
+                64 * ((int(self.d_model * 8 / 3) + 63) // 64)
+
+    def validate(self) -> None:
+        _choice("model.style", self.style, ("gpt2", "llama"))
+        for key in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "seq_len", "vocab_size"):
+            _positive(f"model.{key}", getattr(self, key))
+        if self.d_model % self.n_head:
+            raise UserError(f"model.d_model={self.d_model} is not divisible by model.n_head="
+                            f"{self.n_head}; pick a d_model that is a multiple of n_head")
+        if self.n_head % self.n_kv_head:
+            raise UserError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head="
+                            f"{self.n_kv_head}; grouped-query attention needs n_head % n_kv_head == 0")
+        if self.seq_len > self.max_positions:
+            raise UserError(f"model.seq_len={self.seq_len} is larger than the model's positions "
+                            f"(model.max_positions={self.max_positions}); lower seq_len or raise "
+                            "max_positions")
+        if self.vocab_size > 65536:
+            raise UserError(f"model.vocab_size={self.vocab_size} does not fit uint16 token shards "
+                            "(at most 65536)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    dir: str = "data/shakespeare"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup: float = 0.05  # >= 1: steps; < 1: fraction of the run
+    schedule: str = "cosine"  # "cosine" | "wsd" | "constant"
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2  # wsd: the last fraction of the run decays linearly to the floor
+    grad_clip: float = 1.0  # 0 turns clipping off
+    decay_embeddings: bool = True
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise UserError(f"optim.lr={self.lr} must be > 0")
+        if self.weight_decay < 0:
+            raise UserError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise UserError(f"optim.{key}={getattr(self, key)} must be in [0, 1)")
+        if not self.eps > 0:
+            raise UserError(f"optim.eps={self.eps} must be > 0")
+        if self.warmup < 0:
+            raise UserError(f"optim.warmup={self.warmup} must be >= 0 (steps, or a fraction < 1)")
+        _choice("optim.schedule", self.schedule, ("cosine", "wsd", "constant"))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise UserError(f"optim.decay_fraction={self.decay_fraction} must be in (0, 1]")
+        if self.grad_clip < 0:
+            raise UserError(f"optim.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 16  # micro-batch per worker
+    grad_accum: int = 1
+    max_steps: int = 1000
+    max_tokens: int = 0  # when > 0, the run stops at this many tokens (overrides max_steps)
+    eval_interval: int = 100
+    eval_tokens: int = 65536
+    log_interval: int = 10
+    checkpoint_interval: int = 0  # 0 means every eval
+    seed: int = 1337
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N" | "mps"
+    compile: bool = False
+    out: str = "runs/quickstart"
+    max_bad_steps: int = 5  # consecutive NaN/inf steps before a rollback
+    max_rollbacks: int = 3  # rollbacks before the run stops as diverged
+    num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+
+    def validate(self) -> None:
+        for key in ("batch_size", "grad_accum", "eval_interval", "eval_tokens", "log_interval",
+                    "max_bad_steps"):
+            _positive(f"train.{key}", getattr(self, key))
+        if self.max_steps <= 0 and self.max_tokens <= 0:
+            raise UserError("train.max_steps and train.max_tokens are both 0; set one of them")
+        for key in ("checkpoint_interval", "max_rollbacks", "num_threads", "max_tokens"):
+            if getattr(self, key) < 0:
+                raise UserError(f"train.{key}={getattr(self, key)} must be >= 0")
+        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
+            raise UserError(f"train.device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
+
+
+@dataclass
+class ResourcesConfig:
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+
+    def validate(self) -> None:
+        _positive("resources.workers", self.workers)
+        if self.gpus_per_worker < 0:
+            raise UserError(f"resources.gpus_per_worker={self.gpus_per_worker} must be >= 0")
+        if not self.cpus_per_worker > 0:
+            raise UserError(f"resources.cpus_per_worker={self.cpus_per_worker} must be > 0")
+
+
+@dataclass
+class SweepConfig:
+    """The search. `space` maps a key (`lr`, `weight_decay`, `warmup`, or any `section.key`)
+    to a distribution; experiments.sweep validates it, since only it knows how to sample."""
+
+    num_samples: int = 8
+    seed: int = 0
+    budget: str = ""  # wall-clock for the whole sweep, e.g. "2h", "30m", "900s"; "" = none
+    max_concurrent: int = 0  # 0 means derived from the cluster
+    baseline: bool = True  # trial 0 runs the config's own values (points_to_evaluate)
+    grace_tokens: int = 0  # ASHA: tokens before the first cut; 0 means a quarter of the trial
+    reduction_factor: int = 2
+    storage_url: str = ""  # Optuna RDB; "" means sqlite in the experiment folder
+    confirm_top: int = 0  # re-run the K best configs with new seeds at the end
+    confirm_seeds: int = 3
+    space: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        _positive("sweep.num_samples", self.num_samples)
+        if self.reduction_factor < 2:
+            raise UserError(f"sweep.reduction_factor={self.reduction_factor} must be >= 2")
+        for key in ("max_concurrent", "grace_tokens", "confirm_top"):
+            if getattr(self, key) < 0:
+                raise UserError(f"sweep.{key}={getattr(self, key)} must be >= 0")
+        if self.confirm_top:
+            _positive("sweep.confirm_seeds", self.confirm_seeds)
+        if self.budget:
+            parse_duration(self.budget)
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+
+    def validate(self) -> ExperimentConfig:
+        for section in (self.model, self.optim, self.train, self.resources, self.sweep):
+            section.validate()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+SECTIONS = [f.name for f in fields(ExperimentConfig) if f.name != "name"]
+_SECTION_TYPES = get_type_hints(ExperimentConfig)
+
+
+def parse_duration(text: str) -> float:
+    """'2h' / '90m' / '30s' / '1h30m' / '3600' -> seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0}
+    rest, total, number = text.strip().lower(), 0.0, ""
+    try:
+        for ch in rest:
+            if ch.isdigit() or ch == ".":
+                number += ch
+            elif ch in units and number:
+                total, number = total + float(number) * units[ch], ""
+            else:
+                raise ValueError
+        total += float(number) if number else 0.0
+    except ValueError:
+        raise UserError(f"sweep.budget={text!r} is not a duration; write e.g. '2h', '30m', "
+                        "'1h30m' or '900s'") from None
+    if total <= 0:
+        raise UserError(f"sweep.budget={text!r} must be a positive duration")
+    return total
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Read a TOML experiment (or start from `base`, a dict from `to_dict`), apply `--set`s."""
+    raw: dict[str, Any] = {}
+    if base is not None:
+        raw = _deep_copy(base)
+    if path is not None:
+        raw = _read_toml(Path(path))
+    for item in overrides:
+        _apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
+    raw = _deep_copy(raw)
+    for key in raw:
+        if key not in SECTIONS and key != "name":
+            raise UserError(f"unknown config section [{key}]{_did_you_mean(key, [*SECTIONS, 'name'])}")
+    model_raw = dict(raw.get("model", {}))
+    preset = model_raw.get("preset", "")
+    if preset:
+        if preset not in PRESETS:
+            raise UserError(f"unknown model.preset {preset!r}; known presets: "
+                            f"{', '.join(PRESETS)}")
+        model_raw = {**PRESETS[preset], **model_raw}
+    raw["model"] = model_raw
+    name = raw.get("name", "experiment")
+    if not isinstance(name, str):
+        raise UserError(f"name={name!r} must be a string")
+    sections = {key: _build_section(key, _SECTION_TYPES[key], raw.get(key, {})) for key in SECTIONS}
+    return ExperimentConfig(name=name, **sections).validate()
+
+
+def _build_section(section: str, cls: type, values: Any) -> Any:
+    if not isinstance(values, dict):
+        raise UserError(f"[{section}] must be a table of keys, got {values!r}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise UserError(f"unknown config key {section}.{key}{_did_you_mean(key, names, section)}")
+        kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, want: Any, value: Any) -> Any:
+    if want is bool:
+        if isinstance(value, bool):
+            return value
+    elif want is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif want is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif want is str:
+        if isinstance(value, str):
+            return value
+    elif isinstance(value, dict):  # dict[str, Any]
+        return value
+    type_name = getattr(want, "__name__", str(want))
+    raise UserError(f"config key {key} must be a {type_name}, got {value!r}")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise UserError(f"config file {path} does not exist")
+    if path.is_dir():
+        raise UserError(f"config path {path} is a folder; give a .toml file")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path} is not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"config file {path} is not valid TOML: {err}") from None
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UserError(f"--set {item!r} must look like section.key=value, e.g. optim.lr=3e-4")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()  # a bare word is a string: --set train.device=cpu
+    *path, leaf = key.split(".")
+    node = raw
+    for part in path:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"--set {key}: {part} is not a section")
+    if not path and leaf != "name":
+        raise UserError(f"--set {key}: give section.key, e.g. optim.{leaf}"
+                        f"{_did_you_mean(leaf, SECTIONS)}")
+    node[leaf] = value
+
+
+def _did_you_mean(word: str, options: list[str], section: str = "") -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
+    if not close:
+        return f" (valid: {', '.join(options)})"
+    return f"; did you mean {section + '.' if section else ''}{close[0]}?"
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise UserError(f"{key}={value} must be > 0")
+
+
+def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise UserError(f"{key}={value!r} is not one of {', '.join(options)}"
+                        f"{_did_you_mean(value, list(options))}")
+
+
+def _deep_copy(raw: dict[str, Any]) -> dict[str, Any]:
+    return tomllib.loads(tomli_w.dumps(raw))
