@@ -1,0 +1,137 @@
+"""Model FLOPs utilization: achieved training FLOP/s over the device's peak.
+
+MFU = tokens/s * flops_per_token / peak (PaLM, appendix B). The peak on a GPU is the dense
+(no structured sparsity) bf16 tensor-core figure from the vendor's datasheet, the convention of
+PaLM and nanoGPT, so fp32 training on a GPU reports a low MFU on purpose. A CPU has no datasheet
+figure we can look up portably, so its fp32 matmul peak is measured once per (CPU model, thread
+count, torch version) and cached on disk. Other processes busy during that one measurement lower
+the figure (and inflate every later MFU): delete the cache file to measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from gptcore.atomic import atomic_file
+
+# Dense bf16 tensor-core peak FLOP/s by a substring of torch.cuda.get_device_name(), matched
+# case-insensitively, longest key first (so "H100 PCIE" wins over "H100", "A100" over "A10").
+# Sources: NVIDIA datasheets for A100, H100 (SXM 989.4, PCIe 756, NVL 835), H200, B200, L40S,
+# L40, L4, A10 (A10G: AWS's variant, listed as A10), RTX A6000, Ada/Ampere GeForce whitepapers
+# (RTX 4090 165.2 and RTX 3090 71 with fp32 accumulate); V100 and T4 have no bf16, their fp16
+# tensor peak is given; AMD MI300X/MI250X from AMD's datasheets.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "B200": 2250e12,
+    "H200": 989e12,
+    "H100 PCIE": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A10G": 125e12,
+    "A10": 125e12,
+    "A6000": 155e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,  # fp16
+    "T4": 65e12,  # fp16
+    "MI300X": 1307e12,
+    "MI250X": 383e12,
+}
+
+_CACHE_FILE = "cpu_peak_flops.json"
+_measured: dict[str, float] = {}  # this process's CPU measurements, by cache key
+
+
+def device_peak_flops(device: torch.device | str) -> tuple[float, str]:
+    """(peak FLOP/s, a description for logs); peak 0.0 means unknown, so MFU is reported n/a."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        upper = name.upper()
+        for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+            if key in upper:
+                peak = PEAK_BF16_FLOPS[key]
+                return peak, f"{name}: {peak / 1e12:.0f} TFLOP/s dense bf16 (datasheet)"
+        return 0.0, f"unknown GPU {name!r}: add its peak to gptcore.mfu.PEAK_BF16_FLOPS"
+    if device.type == "cpu":
+        threads = torch.get_num_threads()
+        cpu = _cpu_name()
+        peak = _cpu_peak_flops(f"{cpu}|threads={threads}|torch={torch.__version__}")
+        return peak, (f"{cpu}, {threads} threads: {peak / 1e9:.1f} GFLOP/s fp32 matmul (measured "
+                      f"once, cached in {cache_dir() / _CACHE_FILE}; delete it to re-measure)")
+    return 0.0, f"no peak known for device type {device.type!r}"
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops: float) -> float:
+    """Fraction of the device's peak used by training (0..1); 0 when the peak is unknown."""
+    if peak_flops <= 0:
+        return 0.0
+    return tokens_per_sec * flops_per_token / peak_flops
+
+
+def cache_dir() -> Path:
+    """gptrun's cache folder: $GPTRUN_CACHE_DIR, else the platform's user cache dir."""
+    override = os.environ.get("GPTRUN_CACHE_DIR")
+    if override:
+        return Path(override)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("gptrun"))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _cpu_peak_flops(key: str) -> float:
+    """Measured fp32 matmul FLOP/s for this key, from memory, the disk cache, or a ~1 s run."""
+    if key in _measured:
+        return _measured[key]
+    path = cache_dir() / _CACHE_FILE
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if not isinstance(table, dict):
+        table = {}
+    if not isinstance(table.get(key), (int, float)):
+        table[key] = _measure_matmul_flops()
+        try:
+            with atomic_file(path) as tmp:
+                tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        except OSError:
+            pass  # a read-only cache only costs a re-measurement next time
+    _measured[key] = float(table[key])
+    return _measured[key]
+
+
+def _measure_matmul_flops(n: int = 1024, seconds: float = 1.0) -> float:
+    """Best rate of an n x n fp32 matmul over ~`seconds`, with torch's current thread count."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    for _ in range(3):  # warm-up: thread pool start, page faults
+        torch.mm(a, b, out=out)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = max(best, 2.0 * n**3 / (time.perf_counter() - t0))
+    return best

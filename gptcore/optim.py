@@ -1,0 +1,188 @@
+"""The hand-written AdamW, its parameter groups, and the learning-rate schedules.
+
+AdamW is written out (rather than taken from torch.optim) so the update is on one screen; it
+reproduces `torch.optim.AdamW` exactly (same op order, same eps placement) and keeps torch's
+state_dict layout, so checkpoints load into either optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gptcore.config import OptimConfig
+
+
+class AdamW(torch.optim.Optimizer):
+    """Adam with decoupled weight decay (Loshchilov & Hutter), multi-tensor.
+
+    Per parameter p with gradient g at step t (1-based):
+
+        p   <- p * (1 - lr * wd)                       decoupled: decay does not pass through Adam
+        m   <- beta1 * m + (1 - beta1) * g
+        v   <- beta2 * v + (1 - beta2) * g^2
+        p   <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    Each line is one `torch._foreach_*` call over all parameters of a group (and device/dtype),
+    so a step launches a handful of kernels instead of a handful per parameter.
+    State per parameter, as in torch: "step" (float32 scalar tensor on CPU), "exp_avg" (m),
+    "exp_avg_sq" (v).
+
+    Speed: the denominator is computed in a scratch buffer kept between steps (not part of the
+    state). torch allocates it afresh every step; on a CPU those large allocations fault in new
+    pages each time and cost more than the arithmetic. The price is one parameter-sized buffer
+    held between steps.
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        if not lr >= 0:
+            raise ValueError(f"invalid learning rate {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}")
+        if not eps >= 0:
+            raise ValueError(f"invalid eps {eps}")
+        if not weight_decay >= 0:
+            raise ValueError(f"invalid weight_decay {weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._scratch: dict[Tensor, Tensor] = {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # pickling / deepcopy keep the state, not the scratch
+        self._scratch = {}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One update of every parameter that has a gradient; returns closure()'s loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            # Bucket by (device, dtype): a foreach call needs all its tensors to agree.
+            buckets: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                scratch = self._scratch.get(p)
+                if scratch is None:
+                    scratch = self._scratch[p] = torch.empty_like(p)
+                bucket = buckets.setdefault((p.device, p.dtype), [[], [], [], [], [], []])
+                for lst, t in zip(bucket, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                                           state["step"], scratch), strict=True):
+                    lst.append(t)
+            for params, grads, exp_avgs, exp_avg_sqs, steps, denom in buckets.values():
+                _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, denom, lr=group["lr"],
+                               beta1=group["betas"][0], beta2=group["betas"][1],
+                               eps=group["eps"], weight_decay=group["weight_decay"])
+        return loss
+
+
+def _adamw_foreach(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                   exp_avg_sqs: list[Tensor], steps: list[Tensor], denom: list[Tensor], *,
+                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW update of tensors sharing a device and dtype (the math in `AdamW`'s doc);
+    `denom` is scratch space shaped like `params`."""
+    # The step counters live on the CPU; one wrapped 1.0 avoids re-wrapping it per tensor.
+    torch._foreach_add_(steps, torch.tensor(1.0), alpha=1.0)
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+
+    # Bias corrections are plain floats. Parameters normally share their step count, so compute
+    # them once; when counts differ (a parameter that missed some gradients), one per tensor.
+    step_values = [s.item() for s in steps]
+    if all(t == step_values[0] for t in step_values):
+        step_values = step_values[:1]
+    step_size = [-lr / (1 - beta1 ** t) for t in step_values]
+    bias_correction2_sqrt = [(1 - beta2 ** t) ** 0.5 for t in step_values]
+
+    torch._foreach_copy_(denom, exp_avg_sqs)
+    torch._foreach_sqrt_(denom)
+    if len(step_values) == 1:
+        torch._foreach_div_(denom, bias_correction2_sqrt[0])
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size[0])
+    else:
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+
+def param_groups(model: nn.Module, weight_decay: float,
+                 decay_embeddings: bool = True) -> list[dict[str, Any]]:
+    """Split trainable parameters into a decayed and a non-decayed group for AdamW.
+
+    Weight decay pulls weights toward 0, which is right for the matrices of linears but wrong for
+    norm gains (their neutral value is 1) and biases (no scale to control). Embedding tables are
+    matrices too, but many recipes exclude them; `decay_embeddings` chooses. A parameter shared
+    by two modules (the tied embedding / lm_head) is an embedding and appears once.
+    Groups: {"name": "decay" | "no_decay", "params": [...], "weight_decay": ...}; an empty group is
+    left out.
+    """
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay: list[Tensor] = []
+    no_decay: list[Tensor] = []
+    for p in model.parameters():  # yields each shared parameter once
+        if not p.requires_grad:
+            continue
+        if id(p) in embedding_ids:
+            (decay if decay_embeddings else no_decay).append(p)
+        elif p.dim() >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = [dict(name="decay", params=decay, weight_decay=weight_decay),
+              dict(name="no_decay", params=no_decay, weight_decay=0.0)]
+    return [g for g in groups if g["params"]]
+
+
+def warmup_steps(total_steps: int, warmup: float) -> int:
+    """Warmup length in steps: `warmup` >= 1 is a step count, < 1 a fraction of the run."""
+    if warmup >= 1:
+        return int(math.floor(warmup + 0.5))
+    return int(math.floor(warmup * total_steps + 0.5))  # half rounds up, not to even
+
+
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based) of a `total_steps` run.
+
+    Warmup: lr * (step + 1) / W for the first W steps, so step 0 is small but not 0 (a zero-lr
+    step would be wasted) and step W - 1 is exactly cfg.lr. After the peak:
+    - "constant": cfg.lr;
+    - "cosine": half a cosine from cfg.lr at the peak to cfg.lr * min_lr_ratio at the last step;
+    - "wsd" (warmup-stable-decay): cfg.lr until the last `decay_fraction` of the run, then a
+      straight line to the floor at the last step. A run can be extended or branched from any
+      stable-phase checkpoint, which is why WSD suits sweeps.
+    Steps past the end stay at the floor.
+    """
+    warmup = warmup_steps(total_steps, cfg.warmup)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    peak = max(warmup - 1, 0)
+    last = total_steps - 1
+    start = peak
+    if cfg.schedule == "wsd":
+        decay = max(1, int(math.floor(cfg.decay_fraction * total_steps + 0.5)))
+        start = max(peak, last - decay)
+    progress = min(1.0, max(0.0, (step - start) / max(1, last - start)))
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr - (cfg.lr - floor) * progress

@@ -1,0 +1,279 @@
+"""The GPT module: HF parity, attention properties, loss, init, KV-cache generation, FLOPs/MFU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptcore import mfu as mfu_mod
+from gptcore.config import ModelConfig
+from gptcore.errors import UserError
+from gptcore.hf import to_hf_state_dict
+from gptcore.model import GPT, KVCache
+
+V = 97
+
+
+def tiny(style: str, **kw) -> ModelConfig:
+    base = dict(style=style, n_layer=2, n_head=4, n_kv_head=2 if style == "llama" else 4,
+                d_model=32, seq_len=16, vocab_size=V)
+    return ModelConfig(**{**base, **kw})
+
+
+def build(cfg: ModelConfig, seed: int = 0, jitter: float = 0.0) -> GPT:
+    """A model in eval mode; `jitter` adds noise to every parameter (norm gains and biases too,
+    which init leaves at 1/0 and would hide a mapping mistake)."""
+    torch.manual_seed(seed)
+    model = GPT(cfg).eval()
+    if jitter:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * jitter)
+    return model
+
+
+def tokens(shape: tuple[int, int], seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- Hugging Face parity
+
+@pytest.mark.parametrize("cfg", [
+    tiny("gpt2", d_ff=48),
+    tiny("llama", n_head=4, n_kv_head=2, rope_theta=500.0, norm_eps=1e-6, d_ff=80),
+], ids=["gpt2", "llama-gqa"])
+def test_logits_match_hugging_face(cfg: ModelConfig) -> None:
+    pytest.importorskip("transformers")
+    from gptcore.hf import build_hf_model
+
+    model = build(cfg, jitter=0.05)
+    hf = build_hf_model(model)
+    idx = tokens((2, cfg.seq_len))
+    with torch.no_grad():
+        ours, _ = model(idx)
+        theirs = hf(idx).logits
+    assert ours.shape == theirs.shape == (2, cfg.seq_len, V)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_hf_state_dict_is_a_copy_with_tied_head() -> None:
+    model = build(tiny("llama"))
+    kwargs, sd = to_hf_state_dict(model)
+    assert kwargs["num_key_value_heads"] == 2 and kwargs["tie_word_embeddings"]
+    assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]
+    assert sd["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)  # 2 kv heads * 8
+    sd["model.norm.weight"].add_(1.0)
+    assert torch.equal(model.norm_f.weight, torch.ones(32))
+
+
+def test_gpt2_export_refuses_grouped_query_attention() -> None:
+    with pytest.raises(UserError, match="n_kv_head"):
+        to_hf_state_dict(build(tiny("gpt2", n_kv_head=2)))
+
+
+# ---------------------------------------------------------------- attention
+
+def test_grouped_query_attention_equals_mha_with_shared_kv_heads() -> None:
+    """n_kv_head=2 of 4 heads == plain MHA whose key/value heads are copies, query heads 0,1
+    reading kv head 0 and 2,3 reading kv head 1 (HF's repeat_kv convention)."""
+    gqa = build(tiny("llama", n_head=4, n_kv_head=2), jitter=0.05)
+    mha = build(tiny("llama", n_head=4, n_kv_head=4))
+    assert gqa.blocks[0].attn.qkv.weight.shape == ((4 + 2 * 2) * 8, 32)
+    sd = gqa.state_dict()
+    for i in range(2):
+        q, k, v = sd[f"blocks.{i}.attn.qkv.weight"].split([32, 16, 16])
+        k, v = (t.view(2, 8, 32).repeat_interleave(2, dim=0).reshape(32, 32) for t in (k, v))
+        sd[f"blocks.{i}.attn.qkv.weight"] = torch.cat([q, k, v])
+    mha.load_state_dict(sd)
+    idx = tokens((2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(idx)[0], mha(idx)[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_future_tokens_do_not_change_earlier_logits(style: str) -> None:
+    model = build(tiny(style), jitter=0.05)
+    idx = tokens((2, 16))
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % V
+    with torch.no_grad():
+        a, b = model(idx)[0], model(changed)[0]
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
+    assert (a[:, 10:] - b[:, 10:]).abs().amax(dim=-1).min() > 1e-6
+
+
+# ---------------------------------------------------------------- loss
+
+def test_loss_is_cross_entropy_over_all_positions_and_mask_selects() -> None:
+    model = build(tiny("llama"), jitter=0.05)
+    idx, targets = tokens((3, 16), seed=1), tokens((3, 16), seed=2)
+    logits, loss = model(idx, targets)
+    expected = F.cross_entropy(logits.view(-1, V), targets.view(-1))
+    torch.testing.assert_close(loss, expected)
+    per_token = F.cross_entropy(logits.view(-1, V), targets.view(-1), reduction="none").view(3, 16)
+
+    mask = torch.zeros(3, 16, dtype=torch.bool)
+    mask[:, 9:] = True
+    _, masked = model(idx, targets, loss_mask=mask)
+    torch.testing.assert_close(masked, per_token[:, 9:].mean())
+    _, all_ones = model(idx, targets, loss_mask=torch.ones(3, 16))
+    torch.testing.assert_close(all_ones, loss)
+    masked.backward()  # the masked loss is differentiable
+    assert model.tok_emb.weight.grad is not None
+
+
+def test_no_targets_no_loss() -> None:
+    logits, loss = build(tiny("gpt2"))(tokens((1, 5)))
+    assert loss is None and logits.shape == (1, 5, V)
+
+
+# ---------------------------------------------------------------- parameters and init
+
+def test_param_count_tied_weights_and_formula() -> None:
+    cfg = tiny("gpt2", d_ff=48)
+    model = build(cfg)
+    assert model.lm_head.weight is model.tok_emb.weight
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert model.num_params() == sum(unique.values())
+    d, f = cfg.d_model, cfg.d_ff
+    per_block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    non_embedding = cfg.n_layer * per_block + 2 * d
+    assert model.num_params(non_embedding=True) == non_embedding
+    assert model.num_params() == non_embedding + V * d + cfg.max_positions * d
+
+    llama = build(tiny("llama", d_ff=80))
+    hd = 8
+    per_block = 2 * d + d * (4 + 2 * 2) * hd + d * d + 3 * d * 80
+    assert llama.num_params() == 2 * per_block + d + V * d
+
+
+def test_init_is_gpt2_style() -> None:
+    cfg = ModelConfig(style="gpt2", n_layer=4, n_head=4, d_model=256, seq_len=64, vocab_size=512)
+    model = GPT(cfg)
+    std_proj = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for name, p in model.named_parameters():
+        if name.endswith("proj.weight"):
+            assert p.std().item() == pytest.approx(std_proj, rel=0.05), name
+        elif p.dim() == 2:
+            assert p.std().item() == pytest.approx(0.02, rel=0.05), name
+            assert abs(p.mean().item()) < 1e-3, name
+        elif "norm" in name and name.endswith("weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            assert torch.equal(p, torch.zeros_like(p)), name
+
+
+# ---------------------------------------------------------------- KV cache and generation
+
+def sharp(style: str, **kw) -> GPT:
+    """Large random weights: logits with clear winners (top-2 gaps > 1e-3, rounding is ~1e-6), so
+    greedy decoding is not decided by rounding, and varied enough not to repeat one token."""
+    return build(tiny(style, **kw), jitter=0.5)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_greedy_generation_with_cache_equals_without(style: str) -> None:
+    model = sharp(style)
+    prompt = tokens((2, 5))
+    # 20 new tokens run past max_positions=16, which exercises the cropped window as well.
+    with_cache = model.generate(prompt, 20, temperature=0.0)
+    without = model.generate(prompt, 20, temperature=0.0, use_cache=False)
+    assert with_cache.shape == (2, 25)
+    assert torch.equal(with_cache, without)
+    assert torch.equal(with_cache[:, :5], prompt)
+    assert len(set(with_cache[0, 5:].tolist())) > 1  # not a degenerate constant stream
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_cache_prefill_in_chunks_matches_full_forward(style: str) -> None:
+    model = sharp(style)
+    idx = tokens((2, 12))
+    cache = KVCache(model.cfg.n_layer, 16)
+    with torch.no_grad():
+        full, _ = model(idx)
+        first, _ = model(idx[:, :5], kv_cache=cache)
+        second, _ = model(idx[:, 5:11], kv_cache=cache)  # several queries after a cache: mask
+        last, _ = model(idx[:, 11:], kv_cache=cache)  # one query: no mask
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat([first, second, last], dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy() -> None:
+    model = sharp("llama")
+    model.train()
+    prompt = tokens((2, 4))
+
+    def run(seed: int, **kw) -> torch.Tensor:
+        return model.generate(prompt, 10, generator=torch.Generator().manual_seed(seed), **kw)
+
+    a, b = run(7, temperature=1.5, top_k=20, top_p=0.9), run(7, temperature=1.5, top_k=20, top_p=0.9)
+    assert torch.equal(a, b)
+    assert not torch.equal(run(7, temperature=3.0), run(8, temperature=3.0))
+    greedy = model.generate(prompt, 10, temperature=0.0)
+    assert torch.equal(run(3, top_k=1), greedy)
+    assert torch.equal(run(3, top_p=1e-6), greedy)
+    assert model.training  # generate() runs in eval mode and restores the caller's mode
+
+
+def test_top_k_and_top_p_only_sample_allowed_tokens() -> None:
+    from gptcore.model import sample
+
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(500, 1)
+    gen = torch.Generator().manual_seed(0)
+    assert set(sample(logits, 1.0, top_k=2, generator=gen).tolist()) == {0, 1}
+    # softmax: p = .64 .24 .09 ...: top_p=0.8 keeps tokens 0 and 1 (0.64 < 0.8 <= 0.88)
+    assert set(sample(logits, 1.0, top_p=0.8, generator=gen).tolist()) == {0, 1}
+
+
+def test_generation_stops_at_eos() -> None:
+    model = sharp("gpt2")
+    prompt = tokens((1, 4))
+    greedy = model.generate(prompt, 8, temperature=0.0)
+    eos = int(greedy[0, 6])
+    first = (greedy[0, 4:] == eos).nonzero()[0].item() + 4
+    stopped = model.generate(prompt, 8, temperature=0.0, eos_id=eos)
+    assert torch.equal(stopped, greedy[:, :first + 1])
+
+
+# ---------------------------------------------------------------- FLOPs and MFU
+
+def test_flops_per_token_formula() -> None:
+    model = build(tiny("llama"))
+    cfg = model.cfg
+    n = model.num_params(non_embedding=True) + V * cfg.d_model
+    assert model.flops_per_token() == 6 * n + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
+    assert model.flops_per_token(4) < model.flops_per_token(16)
+
+
+def test_gpu_peak_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = {"NVIDIA H100 PCIe": 756e12, "NVIDIA H100 80GB HBM3": 989e12,
+             "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A10G": 125e12, "NVIDIA L4": 121e12,
+             "NVIDIA L40S": 362e12, "Tesla T4": 65e12, "NVIDIA GeForce RTX 4090": 165e12}
+    for name, peak in cases.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d, n=name: n)
+        assert mfu_mod.device_peak_flops(torch.device("cuda"))[0] == peak, name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d: "Mystery GPU 9000")
+    peak, desc = mfu_mod.device_peak_flops(torch.device("cuda"))
+    assert peak == 0.0 and "unknown GPU" in desc
+    assert mfu_mod.mfu(1000.0, 1e9, peak) == 0.0
+    assert mfu_mod.mfu(1000.0, 1e9, 1e13) == pytest.approx(0.1)
+
+
+def test_cpu_peak_is_measured_once_and_cached_on_disk(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mfu_mod, "_measured", {})
+    calls = []
+    monkeypatch.setattr(mfu_mod, "_measure_matmul_flops", lambda: calls.append(1) or 4.2e10)
+    peak, desc = mfu_mod.device_peak_flops(torch.device("cpu"))
+    assert peak == 4.2e10 and "measured" in desc
+    monkeypatch.setattr(mfu_mod, "_measured", {})  # a new process: only the disk cache remains
+    assert mfu_mod.device_peak_flops("cpu")[0] == 4.2e10
+    assert len(calls) == 1
+    assert (tmp_path / "cpu_peak_flops.json").exists()
+
+
+def test_matmul_measurement_is_plausible() -> None:
+    assert 1e8 < mfu_mod._measure_matmul_flops(n=256, seconds=0.05) < 1e15
