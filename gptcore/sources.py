@@ -1,0 +1,191 @@
+"""Documents from `--input` paths: .txt, .jsonl, .parquet files and folders of them.
+
+Everything streams (generators over chunks, lines or parquet batches) so that corpora larger than
+memory can be prepared. Bad input is reported as a UserError naming the file and the place in it.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gptcore.errors import UserError
+from gptcore.tokenizer import EOT, file_sha256
+
+EXTENSIONS = (".txt", ".jsonl", ".parquet")
+CHUNK_BYTES = 1 << 20  # .txt files are decoded this many bytes at a time
+# A .txt document longer than this is cut at a paragraph or line break: one huge file then still
+# streams in bounded memory and yields enough documents for a train/val split.
+MAX_DOC_CHARS = 1 << 16
+PARQUET_BATCH_ROWS = 256
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input as meta.json records it, and a way to stream its documents (again)."""
+
+    record: dict
+    documents: Callable[[], Iterator[str]]
+
+
+def open_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text",
+                errors: str = "strict") -> list[Source]:
+    """Check and expand `paths` (folders recursively, sorted) before anything is written."""
+    sources: list[Source] = []
+    for given in paths:
+        path = Path(given)
+        if not path.exists():
+            raise UserError(f"input not found: {path}; check the --input path")
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.suffix in EXTENSIONS and p.is_file()
+                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            if not files:
+                raise UserError(f"no .txt, .jsonl or .parquet files under {path}; point --input "
+                                "at a folder or files with those extensions")
+        elif path.suffix in EXTENSIONS:
+            files = [path]
+        else:
+            raise UserError(f"unsupported input {path}: expected a .txt, .jsonl or .parquet "
+                            "file, or a folder of them")
+        sources.extend(_open_file(f, text_field, errors) for f in files)
+    return sources
+
+
+def _open_file(path: Path, text_field: str, errors: str) -> Source:
+    if path.suffix == ".parquet":
+        _check_parquet(path, text_field)
+        reader = functools.partial(parquet_documents, path, text_field)
+    elif path.suffix == ".jsonl":
+        reader = functools.partial(jsonl_documents, path, text_field, errors)
+    else:
+        reader = functools.partial(txt_documents, path, errors)
+    record = {"path": str(path.resolve()), "sha256": file_sha256(path),
+              "bytes": path.stat().st_size}
+    return Source(record, reader)
+
+
+def _not_utf8(path: Path, offset: int, where: str = "") -> UserError:
+    return UserError(f"{path}: not valid UTF-8 at byte {offset}{where}; fix the file or pass "
+                     "--errors replace")
+
+
+def txt_documents(path: Path, errors: str = "strict") -> Iterator[str]:
+    """One document per file, split on literal `<|endoftext|>`; read CHUNK_BYTES at a time."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors=errors)
+    fed = 0  # bytes handed to the decoder so far
+    buf = ""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(CHUNK_BYTES)
+            held = len(decoder.getstate()[0])  # undecoded bytes left from the previous chunk
+            try:
+                buf += decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, fed - held + err.start) from None
+            fed += len(chunk)
+            *done, buf = buf.split(EOT)
+            for doc in done:
+                yield from _cut(doc)
+            # Keep a tail of len(EOT) characters: it may hold the start of a separator.
+            if len(buf) > MAX_DOC_CHARS + len(EOT):
+                *pieces, buf = _cut(buf, keep=len(EOT))
+                yield from pieces
+            if not chunk:
+                break
+    yield from _cut(buf)
+
+
+def _cut(text: str, keep: int = 0) -> list[str]:
+    """Split `text` into pieces of at most MAX_DOC_CHARS, preferring paragraph, then line breaks.
+    With `keep`, the last piece (returned unfinished) has more than `keep` characters."""
+    pieces, start = [], 0
+    while len(text) - start > MAX_DOC_CHARS + keep:
+        stop = start + MAX_DOC_CHARS
+        cut = text.rfind("\n\n", start, stop)
+        cut = cut + 2 if cut > start else text.rfind("\n", start, stop) + 1
+        if cut <= start:
+            cut = stop
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def jsonl_documents(path: Path, text_field: str = "text", errors: str = "strict") -> Iterator[str]:
+    """One document per line: the string in field `text_field` (null counts as empty)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8", errors)
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, offset + err.start, f" (line {lineno})") from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({err.msg} at column "
+                                f"{err.colno}); fix or remove the line") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{lineno}: expected a JSON object with field "
+                                f"'{text_field}', got {type(row).__name__}; fix the line")
+            if text_field not in row:
+                keys = ", ".join(map(repr, row)) or "none"
+                raise UserError(f"{path}:{lineno}: no field '{text_field}' (keys: {keys}); pass "
+                                "--text-field with the field that holds the text")
+            text = row[text_field]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise UserError(f"{path}:{lineno}: field '{text_field}' is a "
+                                f"{type(text).__name__}, not a string; pass --text-field with "
+                                "the field that holds the text")
+            yield _no_surrogates(text, f"{path}:{lineno}", errors)
+
+
+def _no_surrogates(text: str, where: str, errors: str) -> str:
+    """JSON escapes like "\\ud800" give unpaired surrogates, which are not encodable text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        if errors == "strict":
+            raise UserError(f"{where}: text has an unpaired surrogate escape (\\ud800-\\udfff); "
+                            "fix the line or pass --errors replace") from None
+        return text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
+def _check_parquet(path: Path, column: str) -> None:
+    try:
+        schema = pq.ParquetFile(path).schema_arrow
+    except (pa.ArrowException, OSError) as err:
+        raise UserError(f"{path}: not a readable parquet file ({str(err).splitlines()[0]}); "
+                        "check the file") from None
+    if column not in schema.names:
+        raise UserError(f"{path}: no column '{column}' (columns: {', '.join(schema.names)}); "
+                        "pass --text-field with the column that holds the text")
+    kind = schema.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise UserError(f"{path}: column '{column}' has type {kind}, not string; pass "
+                        "--text-field with the column that holds the text")
+
+
+def parquet_documents(path: Path, column: str = "text") -> Iterator[str]:
+    """One document per row, read PARQUET_BATCH_ROWS rows at a time (nulls count as empty).
+    Pre-buffering would load every row group's column up front (the whole file), so it is off:
+    memory is then bounded by one row group."""
+    parquet = pq.ParquetFile(path, pre_buffer=False)
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column]):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield text

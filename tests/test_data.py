@@ -1,0 +1,144 @@
+"""The loader: deterministic, resumable, DDP-exact batches from memory-mapped shards."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gptcore.data import TokenData
+from gptcore.errors import UserError
+
+SEQ = 8
+
+
+def write_data(root: Path, train: list[np.ndarray], val: list[np.ndarray]) -> Path:
+    """A data folder as prepare writes it, with chosen shard contents."""
+    splits = {}
+    for split, shards in (("train", train), ("val", val)):
+        (root / split).mkdir(parents=True)
+        names = []
+        for i, shard in enumerate(shards):
+            names.append(f"{split}/shard_{i:05d}.npy")
+            np.save(root / names[-1], shard.astype(np.uint16))
+        tokens = sum(len(s) for s in shards)
+        splits[split] = {"tokens": tokens, "bytes": 3 * tokens, "documents": 1, "shards": names}
+    meta = {"format_version": 1, "tokenizer_sha256": "ab" * 32, "vocab_size": 65535,
+            "eot_id": 0, "splits": splits, "bytes_per_token": 3.0, "sources": [],
+            "options": {}, "fingerprint": "x"}
+    (root / "meta.json").write_text(json.dumps(meta))
+    return root
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> TokenData:
+    """Train shards hold distinct, position-encoding values so windows can be traced back:
+    value = 10000 * shard + position. Shard 1 is too short for any window."""
+    train = [10000 * k + np.arange(n) for k, n in enumerate((50, SEQ, 120, 31))]
+    val = [np.arange(40) + 50000, np.arange(25) + 60000]
+    return TokenData(write_data(tmp_path / "d", train, val))
+
+
+def batch(data: TokenData, **kw: int) -> tuple[torch.Tensor, torch.Tensor]:
+    args = {"seed": 0, "step": 0, "micro": 0, "rank": 0, "world_size": 1, "batch_size": 4,
+            "grad_accum": 1, "seq_len": SEQ, **kw}
+    return data.train_batch(**args)
+
+
+def test_meta_fields(data: TokenData) -> None:
+    assert data.vocab_size == 65535 and data.eot_id == 0 and data.tokenizer_sha256 == "ab" * 32
+    assert data.bytes_per_token("val") == 3.0
+
+
+def test_batches_are_deterministic_and_shifted(data: TokenData) -> None:
+    x, y = batch(data, seed=3, step=7)
+    x2, y2 = batch(data, seed=3, step=7)
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, SEQ)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert not torch.equal(x, batch(data, seed=3, step=8)[0])
+    assert not torch.equal(x, batch(data, seed=4, step=7)[0])
+
+
+def test_windows_lie_inside_one_shard_and_cover_all_starts(data: TokenData) -> None:
+    seen = set()
+    for step in range(300):
+        x, y = batch(data, step=step, batch_size=8)
+        window = torch.cat([x, y[:, -1:]], dim=1)
+        shard, pos = window // 10000, window % 10000
+        assert (shard == shard[:, :1]).all(), "a window crosses a shard boundary"
+        assert (pos == pos[:, :1] + torch.arange(SEQ + 1)).all()
+        assert not (shard == 1).any(), "shard 1 has no room for a window"
+        seen.update(zip(shard[:, 0].tolist(), pos[:, 0].tolist(), strict=True))
+    expected = {(k, p) for k, n in ((0, 50), (2, 120), (3, 31)) for p in range(n - SEQ)}
+    assert seen == expected  # every valid start is reachable, and only those
+
+
+def test_ddp_and_grad_accum_slice_one_global_draw(data: TokenData) -> None:
+    """2 workers x batch B == 1 worker x batch 2B; accum micro-steps partition it too."""
+    for step in range(5):
+        full, _ = batch(data, step=step, batch_size=8)
+        r0, _ = batch(data, step=step, batch_size=4, rank=0, world_size=2)
+        r1, _ = batch(data, step=step, batch_size=4, rank=1, world_size=2)
+        assert torch.equal(torch.cat([r0, r1]), full)
+        micro = [batch(data, step=step, batch_size=2, grad_accum=2, world_size=2, micro=m,
+                       rank=r)[0] for m in range(2) for r in range(2)]
+        assert torch.equal(torch.cat(micro), full)
+
+
+def test_val_windows_are_fixed_and_split_across_ranks(data: TokenData) -> None:
+    # val = 40 + 25 tokens; 32 eval tokens -> (32 - 1) // 8 = 3 windows, stride 8.
+    assert data.num_val_windows(SEQ, 32) == 3
+    assert data.num_val_windows(SEQ, 10**9) == (65 - 1) // SEQ
+    assert data.num_val_windows(SEQ, 1) == 1  # at least one window
+    concat = np.concatenate([np.arange(40) + 50000, np.arange(25) + 60000])
+    n = data.num_val_windows(SEQ, 10**9)
+    one = [x for x, _ in data.val_batches(seq_len=SEQ, batch_size=3, eval_tokens=10**9)]
+    assert [len(x) for x in one] == [3, 3, 2]
+    xs = torch.cat(one)
+    for i in range(n):  # consecutive windows, crossing the shard boundary where they must
+        assert xs[i].tolist() == concat[i * SEQ:(i + 1) * SEQ].tolist()
+    ys = torch.cat([y for _, y in data.val_batches(seq_len=SEQ, batch_size=3,
+                                                   eval_tokens=10**9)])
+    assert torch.equal(xs[:, 1:], ys[:, :-1])
+    per_rank = [torch.cat([x for x, _ in data.val_batches(seq_len=SEQ, batch_size=2,
+                                                          eval_tokens=10**9, rank=r,
+                                                          world_size=3)]) for r in range(3)]
+    for r, got in enumerate(per_rank):
+        assert torch.equal(got, xs[r::3])  # window i on rank i % world_size, each exactly once
+    assert sum(len(g) for g in per_rank) == n
+
+
+def test_pickles_as_a_path(data: TokenData) -> None:
+    blob = pickle.dumps(data)
+    assert len(blob) < 1000
+    again = pickle.loads(blob)
+    assert torch.equal(batch(again, step=2)[0], batch(data, step=2)[0])
+
+
+def test_too_short_splits_are_user_errors(tmp_path: Path) -> None:
+    short = TokenData(write_data(tmp_path / "s", [np.arange(SEQ)], [np.arange(SEQ)]))
+    with pytest.raises(UserError, match="no shard longer than seq_len"):
+        batch(short)
+    with pytest.raises(UserError, match="val split .* fewer than one window"):
+        list(short.val_batches(seq_len=SEQ, batch_size=2, eval_tokens=100))
+
+
+def test_missing_or_broken_folders_say_run_prepare(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="data folder not found.*gptrun prepare"):
+        TokenData(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="meta.json not found.*gptrun prepare"):
+        TokenData(tmp_path / "empty")
+    bad = write_data(tmp_path / "bad", [np.arange(50)], [np.arange(50)])
+    (bad / "meta.json").write_text("{not json")
+    with pytest.raises(UserError, match="not readable JSON.*gptrun prepare"):
+        TokenData(bad)
+    lost = write_data(tmp_path / "lost", [np.arange(50)], [np.arange(50)])
+    (lost / "train" / "shard_00000.npy").unlink()
+    with pytest.raises(UserError, match="shard_00000.npy is missing.*gptrun prepare"):
+        TokenData(lost)
