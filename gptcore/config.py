@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import tomli_w
+import tomllib
 
 from gptcore.errors import UserError
 
@@ -126,6 +126,7 @@ class TrainConfig:
     eval_tokens: int = 65536
     log_interval: int = 10
     checkpoint_interval: int = 0  # 0 means every eval
+    keep_checkpoints: int = 3  # Ray Train keeps this many (0 keeps all)
     seed: int = 1337
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N" | "mps"
     compile: bool = False
@@ -140,9 +141,14 @@ class TrainConfig:
             _positive(f"train.{key}", getattr(self, key))
         if self.max_steps <= 0 and self.max_tokens <= 0:
             raise UserError("train.max_steps and train.max_tokens are both 0; set one of them")
-        for key in ("checkpoint_interval", "max_rollbacks", "num_threads", "max_tokens"):
+        for key in ("checkpoint_interval", "keep_checkpoints", "max_rollbacks", "num_threads",
+                    "max_tokens"):
             if getattr(self, key) < 0:
                 raise UserError(f"train.{key}={getattr(self, key)} must be >= 0")
+        if self.checkpoint_interval % self.eval_interval:
+            raise UserError(f"train.checkpoint_interval={self.checkpoint_interval} must be a "
+                            f"multiple of train.eval_interval={self.eval_interval} (checkpoints "
+                            "are taken at evaluations)")
         if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
             raise UserError(f"train.device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
 

@@ -1,0 +1,113 @@
+"""`gptrun plan`: what a sweep will cost before it runs — trials, concurrency, ASHA rungs, tokens,
+wall-clock and CPU/GPU-hours — from a short measured throughput probe (or `--tokens-per-sec`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from experiments.space import parse_space
+from experiments.sweep import TRIAL_DRIVER_CPU, concurrency, grace_tokens, trial_tokens
+from gptcore.config import ExperimentConfig, load_config, parse_duration
+from gptcore.errors import UserError
+
+TRIAL_STARTUP_S = 30.0  # Ray Train worker-group start-up per trial, measured on a 2-core machine
+PROBE_STEPS = 8
+
+
+def asha_rungs(grace: int, max_t: int, reduction_factor: int) -> list[int]:
+    """The token counts at which ASHA compares trials, ending with the full budget."""
+    rungs, milestone = [], grace
+    while milestone < max_t:
+        rungs.append(milestone)
+        milestone *= reduction_factor
+    return [*rungs, max_t]
+
+
+def expected_tokens(num_samples: int, rungs: list[int], reduction_factor: int) -> float:
+    """Tokens trained if ASHA promotes 1/reduction_factor of the trials at every rung."""
+    total, previous = 0.0, 0
+    for k, milestone in enumerate(rungs):
+        total += num_samples / reduction_factor ** k * (milestone - previous)
+        previous = milestone
+    return total
+
+
+def probe_tokens_per_sec(cfg: ExperimentConfig) -> float:
+    """Time a few real training steps of one worker in this process (after one warm-up step)."""
+    import torch
+
+    from gptcore.train import Trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(cfg.resources.cpus_per_worker)))
+    try:
+        trainer = Trainer(cfg, log=None)
+        trainer.train_step()
+        start = time.perf_counter()
+        for _ in range(PROBE_STEPS):
+            trainer.train_step()
+        elapsed = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    return PROBE_STEPS * trainer.tokens_per_step / elapsed
+
+
+def plan_cli(config: str, overrides: list[str], *, tokens_per_sec: float | None,
+             cpus: float | None, gpus: float | None) -> int:
+    cfg = load_config(config, overrides)
+    space = parse_space(cfg)
+    if cpus is None:  # a local instance, as `gptrun sweep` starts it
+        cpus = (os.cpu_count() or 1) + 1
+    if gpus is None:
+        import torch
+
+        gpus = float(torch.cuda.device_count())
+    res = cfg.resources
+    width = concurrency(cfg, cpus, gpus)
+    if width == 0:
+        raise UserError(f"one trial needs {res.workers * res.cpus_per_worker + TRIAL_DRIVER_CPU:g}"
+                        f" CPUs and {res.workers * res.gpus_per_worker:g} GPUs but the cluster has "
+                        f"{cpus:g} CPUs and {gpus:g} GPUs")
+    if tokens_per_sec is None:
+        tokens_per_sec = probe_tokens_per_sec(cfg) * res.workers
+        source = f"measured: {PROBE_STEPS} steps here"
+    else:
+        source = "given"
+    n, rf = cfg.sweep.num_samples, cfg.sweep.reduction_factor
+    max_t = trial_tokens(cfg)
+    rungs = asha_rungs(min(grace_tokens(cfg), max_t), max_t, rf)
+    tokens = expected_tokens(n, rungs, rf)
+    waves = math.ceil(n / width)
+    wall = tokens / (tokens_per_sec * width) + waves * TRIAL_STARTUP_S
+    full_wall = n * max_t / (tokens_per_sec * width) + waves * TRIAL_STARTUP_S
+    per_trial_gpus, per_trial_cpus = res.workers * res.gpus_per_worker, res.workers * res.cpus_per_worker
+    print(f"plan for {config}")
+    print(f"  search       {', '.join(p.key for p in space.params)}"
+          f"{' (+ baseline trial)' if cfg.sweep.baseline else ''}")
+    print(f"  trials       {n}, {width} at a time ({per_trial_cpus:g} CPU / {per_trial_gpus:g} GPU"
+          f" each; cluster {cpus:g} CPU / {gpus:g} GPU)")
+    print(f"  per trial    {max_t:,} tokens, {tokens_per_sec:,.0f} tokens/s ({source})")
+    print(f"  ASHA rungs   {', '.join(f'{r:,}' for r in rungs)} tokens (reduction factor {rf})")
+    print(f"  tokens       ~{tokens:,.0f} with ASHA, {n * max_t:,} without")
+    print(f"  wall-clock   ~{_hours(wall)} with ASHA (~{_hours(full_wall)} without), including "
+          f"{TRIAL_STARTUP_S:.0f}s start-up per trial")
+    used = wall * width / 3600
+    print(f"  cost         ~{used * per_trial_gpus:.2f} GPU-hours, "
+          f"~{used * per_trial_cpus:.2f} CPU-hours")
+    if cfg.sweep.budget:
+        budget = parse_duration(cfg.sweep.budget)
+        if wall > budget:
+            print(f"warning: the plan needs ~{_hours(wall)} but sweep.budget is "
+                  f"{cfg.sweep.budget}; trials will be cut off. Lower sweep.num_samples or "
+                  "train.max_tokens, or raise the budget")
+        else:
+            print(f"  budget       {cfg.sweep.budget}: fits ({100 * wall / budget:.0f}% of it)")
+    return 0
+
+
+def _hours(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 60:.1f}m"

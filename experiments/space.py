@@ -1,0 +1,152 @@
+"""The `[sweep.space]` table: which config keys a sweep searches, and over what.
+
+    [sweep.space]
+    lr = { loguniform = [3e-4, 3e-2] }
+    weight_decay = { loguniform = [1e-3, 0.3], include_zero = true }
+    warmup = { uniform = [0.0, 0.3] }
+    "train.batch_size" = { choice = [8, 16, 32] }
+    beta2 = 0.99                       # a plain value fixes the key instead of searching it
+
+Short names (`lr`, `weight_decay`, `warmup`, `beta1`, `beta2`, `eps`, `batch_size`, ...) stand for
+their config keys. Sampling is define-by-run Optuna, so `include_zero` is a real conditional
+choice (TPE learns whether 0 is better) rather than a fudge on the log scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from gptcore.config import ExperimentConfig, config_from_dict
+from gptcore.errors import UserError
+
+ALIASES = {name: f"optim.{name}" for name in
+           ("lr", "weight_decay", "warmup", "beta1", "beta2", "eps", "min_lr_ratio", "grad_clip")}
+ALIASES.update(batch_size="train.batch_size", grad_accum="train.grad_accum")
+KINDS = ("loguniform", "uniform", "int", "choice")
+
+
+@dataclass(frozen=True)
+class Param:
+    key: str  # full config key, e.g. "optim.lr"
+    kind: str  # one of KINDS
+    low: float = 0.0
+    high: float = 0.0
+    choices: tuple = ()
+    include_zero: bool = False
+
+    @property
+    def zero_flag(self) -> str:
+        return f"{self.key}=0"
+
+
+@dataclass(frozen=True)
+class Space:
+    params: tuple[Param, ...]
+    fixed: dict[str, Any]
+
+    def suggest(self, trial: Any) -> None:
+        """Optuna define-by-run: ask `trial` for every searched key."""
+        for p in self.params:
+            if p.include_zero and trial.suggest_categorical(p.zero_flag, [False, True]):
+                continue
+            if p.kind in ("loguniform", "uniform"):
+                trial.suggest_float(p.key, p.low, p.high, log=p.kind == "loguniform")
+            elif p.kind == "int":
+                trial.suggest_int(p.key, int(p.low), int(p.high))
+            else:
+                trial.suggest_categorical(p.key, list(p.choices))
+
+    def baseline(self, cfg: ExperimentConfig) -> dict[str, Any]:
+        """The config's own values as an Optuna point: the trial every sweep should beat."""
+        point: dict[str, Any] = {}
+        for p in self.params:
+            value = _get(cfg, p.key)
+            if p.include_zero:
+                point[p.zero_flag] = value == 0
+                if value == 0:
+                    continue
+            point[p.key] = value
+        return point
+
+    def overrides(self, sampled: dict[str, Any]) -> dict[str, Any]:
+        """Config values for one trial: the fixed keys, the sampled ones, 0 where chosen."""
+        values = dict(self.fixed)
+        for p in self.params:
+            if p.include_zero and sampled.get(p.zero_flag):
+                values[p.key] = 0.0
+            elif p.key in sampled:
+                values[p.key] = sampled[p.key]
+        return values
+
+
+def parse_space(cfg: ExperimentConfig) -> Space:
+    raw = cfg.sweep.space
+    if not raw:
+        raise UserError("[sweep.space] is empty; add e.g. lr = { loguniform = [1e-4, 1e-2] }")
+    params, fixed = [], {}
+    for name, spec in raw.items():
+        key = ALIASES.get(name, name)
+        current = _get(cfg, key)  # raises for unknown keys
+        if not isinstance(spec, dict):
+            fixed[key] = spec
+            continue
+        params.append(_parse_param(key, spec, current))
+    if not params:
+        raise UserError("[sweep.space] fixes every key and searches none; give at least one range")
+    space = Space(tuple(params), fixed)
+    apply_overrides(cfg, space.overrides({}))  # fixed values must be valid config values
+    return space
+
+
+def _parse_param(key: str, spec: dict[str, Any], current: Any) -> Param:
+    kinds = [k for k in spec if k in KINDS]
+    extra = [k for k in spec if k not in (*KINDS, "include_zero")]
+    if len(kinds) != 1 or extra:
+        raise UserError(f"sweep.space.{key}: give exactly one of {', '.join(KINDS)} "
+                        f"(and optionally include_zero), got {sorted(spec)}")
+    kind, value = kinds[0], spec[kinds[0]]
+    include_zero = bool(spec.get("include_zero", False))
+    if kind == "choice":
+        if not isinstance(value, list) or not value:
+            raise UserError(f"sweep.space.{key}: choice needs a non-empty list of values")
+        return Param(key, kind, choices=tuple(value))
+    if not (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        raise UserError(f"sweep.space.{key}: {kind} needs [low, high], got {value!r}")
+    low, high = float(value[0]), float(value[1])
+    if not low < high:
+        raise UserError(f"sweep.space.{key}: the range [{value[0]}, {value[1]}] is empty; "
+                        "low must be below high")
+    if kind == "loguniform" and low <= 0:
+        raise UserError(f"sweep.space.{key}: loguniform needs low > 0, got {value[0]}; use "
+                        "include_zero = true to also try 0")
+    if key == "optim.lr" and low <= 0:
+        raise UserError(f"sweep.space.{key}: a learning rate must be > 0, got low={value[0]}")
+    if isinstance(current, int) and not isinstance(current, bool) and kind != "int":
+        raise UserError(f"sweep.space.{key}: {key} is an integer; use int = [low, high] or choice")
+    if isinstance(current, bool) or isinstance(current, str):
+        raise UserError(f"sweep.space.{key}: {key} is not numeric; use choice = [...]")
+    return Param(key, kind, low, high, include_zero=include_zero)
+
+
+def apply_overrides(cfg: ExperimentConfig, values: dict[str, Any]) -> ExperimentConfig:
+    """A new, validated config with `section.key` values replaced."""
+    raw = cfg.to_dict()
+    for key, value in values.items():
+        section, _, leaf = key.partition(".")
+        raw[section][leaf] = value
+    return config_from_dict(raw)
+
+
+def _get(cfg: ExperimentConfig, key: str) -> Any:
+    section, _, leaf = key.partition(".")
+    obj = getattr(cfg, section, None) if leaf else None
+    if obj is None or section == "sweep" or not dataclasses.is_dataclass(obj) \
+            or leaf not in {f.name for f in dataclasses.fields(obj)}:
+        known = ", ".join(ALIASES)
+        raise UserError(f"sweep.space: {key!r} is not a config key that can be searched; use a "
+                        f"section.key such as optim.lr, or one of: {known}")
+    return getattr(obj, leaf)
+

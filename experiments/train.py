@@ -1,0 +1,162 @@
+"""`gptrun train` on Ray: the gptcore loop in every worker of a Ray Train `TorchTrainer` (V2 API).
+
+Each worker builds a `gptcore.train.Trainer` with its rank and world size and a DDP wrapper; rank 0
+writes the checkpoint that `ray.train.report` commits. The run has a stable name under a fixed
+storage path, so running the same command again (or a worker-group restart after a failure)
+resumes from the last committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from experiments.cluster import is_local, ray_session, require_resources, resolve_storage
+from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from gptcore.config import ExperimentConfig, config_from_dict
+from gptcore.errors import DivergedError, UserError
+from gptcore.train import open_data
+
+
+def worker_loop(loop_config: dict[str, Any]) -> dict[str, str]:
+    """Runs inside each Ray Train worker. Resumes from Ray's latest checkpoint if there is one."""
+    import ray.train
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gptcore.tracking import TensorBoardLog
+    from gptcore.train import Trainer
+
+    cfg = config_from_dict(loop_config["config"])
+    ctx = ray.train.get_context()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(max(1, int(loop_config["cpus_per_worker"])))
+    if loop_config["use_gpu"]:
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        if world_size == 1:
+            return model
+        return DistributedDataParallel(model, device_ids=[device.index] if device.index is not
+                                       None else None)
+
+    trainer = Trainer(cfg, rank=rank, world_size=world_size, device=device, wrap=wrap)
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            trainer.load_state_dict(load_checkpoint(Path(folder) / CHECKPOINT_FILE))
+        trainer.log(f"resumed from checkpoint at step {trainer.step}/{trainer.total_steps}")
+    tensorboard = TensorBoardLog(loop_config["tensorboard_dir"]) \
+        if rank == 0 and loop_config["tensorboard_dir"] else None
+
+    def on_report(metrics: dict[str, float], state: dict[str, Any] | None) -> None:
+        metrics = {**metrics, "world_size": float(world_size)}
+        if tensorboard is not None:
+            tensorboard.log(metrics)
+        if state is None or rank != 0:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as folder:
+            save_checkpoint(Path(folder) / CHECKPOINT_FILE, state)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+
+    try:
+        trainer.fit(on_report)
+    except DivergedError as err:  # every rank raises at the same step (the loss is all-reduced)
+        ray.train.report({"step": float(trainer.step), "tokens": float(trainer.tokens_seen),
+                          "val_loss": diverged_loss(cfg), "diverged": 1.0})
+        return {"status": "diverged", "reason": str(err)}
+    finally:
+        if tensorboard is not None:
+            tensorboard.close()
+    return {"status": "completed"}
+
+
+def diverged_loss(cfg: ExperimentConfig) -> float:
+    """What a diverged or failed run scores: worse than guessing uniformly over the vocabulary,
+    finite so that TPE and ASHA can rank it."""
+    return 2 * math.log(cfg.model.vocab_size)
+
+
+def build_trainer(cfg: ExperimentConfig, *, storage: str, name: str, max_failures: int,
+                  callbacks: list | None = None) -> Any:
+    """A `TorchTrainer` for one run; `experiments.sweep` builds one of these per trial."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    res = cfg.resources
+    use_gpu = res.gpus_per_worker > 0
+    resources = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus_per_worker} if use_gpu else {})}
+    run_dir = f"{storage.rstrip('/')}/{name}"
+    loop_config = {"config": cfg.to_dict(), "use_gpu": use_gpu,
+                   "cpus_per_worker": res.cpus_per_worker,
+                   "tensorboard_dir": f"{run_dir}/tensorboard" if is_local(storage) else ""}
+    return TorchTrainer(
+        worker_loop,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=res.workers, use_gpu=use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=storage, callbacks=callbacks,
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=cfg.train.keep_checkpoints or None,
+                checkpoint_score_attribute="val_loss", checkpoint_score_order="min")),
+    )
+
+
+def checked_for_workers(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Check the data in the driver (a bad input would otherwise fail every worker restart) and
+    make its path absolute, since workers do not share the driver's working directory."""
+    open_data(cfg)
+    raw = cfg.to_dict()
+    raw["data"]["dir"] = str(Path(cfg.data.dir).expanduser().resolve())
+    return config_from_dict(raw)
+
+
+def raise_root_cause(err: Exception) -> None:
+    """Turn a worker's UserError / DivergedError back into itself, so the CLI prints one line."""
+    causes = [err, *getattr(err, "worker_failures", {}).values()]
+    for cause in causes:
+        while cause is not None:
+            if isinstance(cause, (UserError, DivergedError)):
+                raise cause
+            cause = getattr(cause, "cause", None) or cause.__cause__
+    raise err
+
+
+def train_on_ray(cfg: ExperimentConfig, *, address: str | None, storage: str | None,
+                 name: str | None, max_failures: int) -> int:
+    cfg = checked_for_workers(cfg)
+    storage = resolve_storage(storage, "runs")
+    name = name or cfg.name
+    if max_failures < -1:
+        raise UserError(f"--max-failures={max_failures} must be >= -1 (-1 retries forever)")
+    res = cfg.resources
+    with ray_session(address):
+        require_resources(res.workers * res.cpus_per_worker, res.workers * res.gpus_per_worker,
+                          f"--workers {res.workers}")
+        print(f"run {name!r} under {storage} ({res.workers} worker(s), "
+              f"{res.cpus_per_worker:g} CPU + {res.gpus_per_worker:g} GPU each); rerun the same "
+              "command to resume")
+        trainer = build_trainer(cfg, storage=storage, name=name, max_failures=max_failures)
+        try:
+            result = trainer.fit()
+        except Exception as err:  # Ray wraps worker errors in TrainingFailedError
+            raise_root_cause(err)
+    if (result.return_value or {}).get("status") == "diverged":
+        raise DivergedError(result.return_value["reason"])
+    best = result.get_best_checkpoint("val_loss", "min")
+    metrics = result.metrics or {}
+    print(f"done: step {metrics.get('step', 0):.0f}, val loss {metrics.get('val_loss', float('nan')):.4f}"
+          f" | best checkpoint {best.path if best else None} | last checkpoint "
+          f"{result.checkpoint.path if result.checkpoint else None}")
+    return 0

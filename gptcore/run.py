@@ -1,0 +1,66 @@
+"""`gptrun train --local`: one run in this process, checkpoints in `train.out/checkpoints/`.
+
+Rerunning the same command resumes from `last.pt`; Ctrl-C writes a checkpoint before it exits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+from gptcore.atomic import atomic_file, write_text_atomic
+from gptcore.checkpoint import load_checkpoint, save_checkpoint
+from gptcore.config import ExperimentConfig
+from gptcore.tracking import TensorBoardLog
+from gptcore.train import Trainer
+
+
+class LocalRun:
+    """Persists what a `Trainer` reports: metrics.jsonl, last.pt and best.pt under `out`."""
+
+    def __init__(self, out: str | Path) -> None:
+        self.out = Path(out)
+        self.checkpoints = self.out / "checkpoints"
+        self.best_val = math.inf
+        self.tensorboard = TensorBoardLog(self.out / "tensorboard")
+
+    def on_report(self, metrics: dict[str, float], state: dict[str, Any] | None) -> None:
+        self.tensorboard.log(metrics)
+        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if state is None:
+            return
+        last = save_checkpoint(self.checkpoints / "last.pt", state)
+        if metrics["val_loss"] < self.best_val:
+            self.best_val = metrics["val_loss"]
+            with atomic_file(self.checkpoints / "best.pt") as tmp:
+                shutil.copyfile(last, tmp)
+
+
+def train_local(cfg: ExperimentConfig) -> dict[str, float]:
+    out = Path(cfg.train.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "config.toml", cfg.to_toml())
+    trainer = Trainer(cfg)
+    run = LocalRun(out)
+    last = run.checkpoints / "last.pt"
+    if last.exists():
+        trainer.load_state_dict(load_checkpoint(last))
+        run.best_val = trainer.best_val_loss
+        print(f"resumed from {last} at step {trainer.step}/{trainer.total_steps}")
+    try:
+        result = trainer.fit(run.on_report)
+    except KeyboardInterrupt:
+        save_checkpoint(last, trainer.state_dict())
+        print(f"\ninterrupted at step {trainer.step}; checkpoint saved to {last}; "
+              "run the same command to resume")
+        raise
+    finally:
+        run.tensorboard.close()
+    print(f"done: step {trainer.step}, val loss {result['val_loss']:.4f}, "
+          f"bpb {result['val_bpb']:.4f} | best checkpoint {run.checkpoints / 'best.pt'} | "
+          f"last checkpoint {last}")
+    return result

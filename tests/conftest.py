@@ -1,0 +1,79 @@
+"""Shared fixtures: a tiny prepared corpus and helpers to run the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("the king queen speaks to a fool and lord of night day sword crown love death "
+         "sweet good my thy thee doth hath shall not is was her his").split()
+
+
+def synthetic_documents(n_docs: int = 120, seed: int = 0) -> list[str]:
+    """Small English-like documents with enough structure for a tiny model to learn."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        lines = []
+        for _ in range(rng.randint(8, 16)):
+            speaker = rng.choice(("KING", "QUEEN", "FOOL", "LORD"))
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10)))
+            lines.append(f"{speaker}: {words.capitalize()}.")
+        docs.append("\n".join(lines))
+    return docs
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run `python -m experiments ARGS` as a user would, capturing output."""
+    return subprocess.run(
+        [sys.executable, "-m", "experiments", *args],
+        cwd=cwd or REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 2, exactly one line on stderr, no traceback, and the line mentions each needle."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prepared data folder (vocab 384) from synthetic text, shared by the whole session."""
+    from gptcore.prepare import prepare
+
+    root = tmp_path_factory.mktemp("tiny_corpus")
+    src = root / "corpus.txt"
+    src.write_text("<|endoftext|>".join(synthetic_documents()), encoding="utf-8")
+    out = root / "data"
+    prepare(inputs=[str(src)], corpus=None, out=str(out), vocab_size=384, val_fraction=0.1, progress=False)
+    return out
+
+
+def tiny_config_text(data_dir: Path, out_dir: Path, **train: object) -> str:
+    """An experiment TOML for a ~60k-parameter model on `tiny_data`."""
+    lines = [
+        '[model]\npreset = "tiny"\nvocab_size = 384\nseq_len = 32',
+        f'[data]\ndir = "{data_dir}"',
+        "[optim]\nlr = 3e-3\nwarmup = 2\nweight_decay = 0.1",
+        "[train]\nbatch_size = 4\nmax_steps = 12\neval_interval = 4\neval_tokens = 2048\n"
+        f'log_interval = 4\ndevice = "cpu"\nout = "{out_dir}"',
+    ]
+    lines[-1] += "".join(f"\n{k} = {v!r}".replace("'", '"') for k, v in train.items())
+    return "\n\n".join(lines) + "\n"

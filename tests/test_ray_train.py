@@ -1,0 +1,158 @@
+"""Ray Train runs on a real local Ray instance: DDP parity, a killed worker, resume, bad input.
+
+One Ray session serves the whole module; the CLI tests that need their own driver process are
+the Ctrl-C and dead-address ones.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from experiments import cluster
+from experiments.train import build_trainer, train_on_ray
+from gptcore.config import load_config
+from gptcore.errors import UserError
+from tests.conftest import REPO, assert_user_error, run_cli, tiny_config_text
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    # The dashboard serves the state API that finds worker pids (kept on localhost).
+    ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", logging_level="warning")
+    yield
+    ray.shutdown()
+
+
+def tiny_cfg(tiny_data, tmp_path, *overrides: str):
+    path = tmp_path / "exp.toml"
+    path.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    return load_config(path, ["train.num_threads=1", *overrides])
+
+
+def report_history(result) -> list[dict]:
+    frame = result.metrics_dataframe
+    return frame.sort_values("step").to_dict("records")
+
+
+def test_two_workers_match_one_worker_with_the_same_global_batch(ray_local, tiny_data, tmp_path):
+    common = ["train.max_steps=10", "train.eval_interval=1", "train.keep_checkpoints=0"]
+    one = tiny_cfg(tiny_data, tmp_path, "train.batch_size=8", "resources.workers=1", *common)
+    two = tiny_cfg(tiny_data, tmp_path, "train.batch_size=4", "resources.workers=2", *common)
+    storage = str(tmp_path / "storage")
+    curves = []
+    for name, cfg in (("one", one), ("two", two)):
+        result = build_trainer(cfg, storage=storage, name=name, max_failures=0).fit()
+        curves.append(report_history(result))
+    assert [r["step"] for r in curves[0]] == list(range(1, 11))
+    assert curves[1][-1]["world_size"] == 2
+    for a, b in zip(*curves, strict=True):
+        assert a["tokens"] == b["tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5)
+
+
+def train_worker_pids() -> list[int]:
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return [a.pid for a in actors if "RayTrainWorker" in a.class_name and a.pid]
+
+
+def test_killed_worker_restarts_from_checkpoint_and_finishes(ray_local, tiny_data, tmp_path):
+    cfg = tiny_cfg(tiny_data, tmp_path, "train.max_steps=80", "train.eval_interval=5",
+                   "resources.workers=2", "model.n_layer=4", "model.d_model=128")
+    storage = tmp_path / "storage"
+    trainer = build_trainer(cfg, storage=str(storage), name="killed", max_failures=2)
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(result=trainer.fit()))
+    thread.start()
+    deadline = time.monotonic() + 120
+    # A checkpoint folder appears before Ray commits it: wait for a later one, so the earlier is in.
+    while len(list((storage / "killed").glob("checkpoint_*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = train_worker_pids()
+    assert len(pids) == 2, pids
+    os.kill(pids[1], signal.SIGKILL)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    history = report_history(outcome["result"])
+    assert history[-1]["step"] == 80
+    restarted = [r for r in history if r["resumed_from"] > 0]
+    assert restarted, [(r["step"], r["resumed_from"]) for r in history]
+    first_resume = restarted[0]
+    assert first_resume["step"] > first_resume["resumed_from"] >= 5
+    # The curve continues: after the restart the loss is below where the run started.
+    assert history[-1]["val_loss"] < history[0]["val_loss"]
+
+
+def test_rerun_with_the_same_name_resumes(ray_local, tiny_data, tmp_path, capsys):
+    storage = str(tmp_path / "storage")
+    first = tiny_cfg(tiny_data, tmp_path, "train.max_steps=8")
+    assert train_on_ray(first, address=None, storage=storage, name="again", max_failures=0) == 0
+    longer = tiny_cfg(tiny_data, tmp_path, "train.max_steps=12")
+    assert train_on_ray(longer, address=None, storage=storage, name="again", max_failures=0) == 0
+    out = capsys.readouterr().out
+    assert "best checkpoint" in out and "last checkpoint" in out
+    from ray.train import Result
+
+    history = report_history(Result.from_path(f"{storage}/again"))
+    assert history[-1]["step"] == 12 and history[-1]["resumed_from"] == 8
+
+
+def test_more_workers_than_the_cluster_fails_fast(ray_local, tiny_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(cluster, "RESOURCE_WAIT_S", 2.0)
+    cfg = tiny_cfg(tiny_data, tmp_path, "resources.workers=8")
+    start = time.monotonic()
+    with pytest.raises(UserError, match="needs 8 CPUs and 0 GPUs but the cluster has 2 CPUs"):
+        train_on_ray(cfg, address=None, storage=str(tmp_path / "s"), name="big", max_failures=0)
+    assert time.monotonic() - start < 30
+
+
+def test_dead_address_is_one_line_and_fast(tiny_data, tmp_path):
+    config = tmp_path / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    start = time.monotonic()
+    proc = run_cli("train", str(config), "--address", "127.0.0.1:1", timeout=60)
+    assert_user_error(proc, "nothing answers at --address 127.0.0.1:1")
+    assert time.monotonic() - start < 30
+
+
+def test_ctrl_c_keeps_the_checkpoint_and_the_same_command_resumes(tiny_data, tmp_path):
+    config = tmp_path / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    storage = tmp_path / "storage"
+    args = [sys.executable, "-m", "experiments", "train", str(config), "--storage", str(storage),
+            "--name", "ctrlc", "--set", "train.max_steps=400", "--set", "train.eval_interval=10",
+            "--set", "model.n_layer=4", "--set", "model.d_model=128"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while len(list((storage / "ctrlc").glob("checkpoint_*"))) < 2 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list((storage / "ctrlc").glob("checkpoint_*")), "no checkpoint was committed"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert list((storage / "ctrlc").glob("checkpoint_*"))
+    rerun = run_cli("train", str(config), "--storage", str(storage), "--name", "ctrlc",
+                    "--set", "train.max_steps=40", "--set", "train.eval_interval=10",
+                    "--set", "model.n_layer=4", "--set", "model.d_model=128", timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "resumed from checkpoint at step" in rerun.stdout + rerun.stderr
