@@ -31,10 +31,16 @@ def ray_session(address: str | None = None, extra_local_cpus: int = 0) -> Iterat
     if address is not None:
         _check_reachable(address)
     os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
+    # Ray Train gives a worker group 60 s to start. On a busy machine (or while the previous
+    # trial's workers are still shutting down) that is too little, and a timed-out start leaks its
+    # placement group, which then starves every later trial.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "900")
     try:
         if address is None:
             ray.init(num_cpus=(os.cpu_count() or 1) + extra_local_cpus,
-                     include_dashboard=False, logging_level="warning",
+                     # The dashboard serves Ray's state API, which Ray Train's placement-group
+                     # cleaner needs: without it a trial that ASHA stops leaks its CPUs/GPUs.
+                     include_dashboard=True, dashboard_host="127.0.0.1", logging_level="warning",
                      configure_logging=True, log_to_driver=True)
         else:
             ray.init(address=address, logging_level="warning")

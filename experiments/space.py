@@ -67,6 +67,11 @@ class Space:
                 point[p.zero_flag] = value == 0
                 if value == 0:
                     continue
+            inside = value in p.choices if p.kind == "choice" else p.low <= value <= p.high
+            if not inside:
+                raise UserError(f"{p.key}={value} (the baseline trial) lies outside its "
+                                f"sweep.space range; widen the range, change {p.key}, or set "
+                                "sweep.baseline = false")
             point[p.key] = value
         return point
 
@@ -126,7 +131,7 @@ def _parse_param(key: str, spec: dict[str, Any], current: Any) -> Param:
         raise UserError(f"sweep.space.{key}: a learning rate must be > 0, got low={value[0]}")
     if isinstance(current, int) and not isinstance(current, bool) and kind != "int":
         raise UserError(f"sweep.space.{key}: {key} is an integer; use int = [low, high] or choice")
-    if isinstance(current, bool) or isinstance(current, str):
+    if isinstance(current, (bool, str)):
         raise UserError(f"sweep.space.{key}: {key} is not numeric; use choice = [...]")
     return Param(key, kind, low, high, include_zero=include_zero)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,7 @@ def build_tuner(cfg: ExperimentConfig, space: Space, exp_dir: Path, max_concurre
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search.optuna import OptunaSearch
 
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's table reporter, not the new UI
     base = {"config": cfg.to_dict(), "space": space}
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=base, runs_storage=str(exp_dir / "runs"),
@@ -110,18 +112,19 @@ def build_tuner(cfg: ExperimentConfig, space: Space, exp_dir: Path, max_concurre
     points = [space.baseline(cfg)] if cfg.sweep.baseline else None
     searcher = OptunaSearch(space=space.suggest, points_to_evaluate=points,
                             sampler=optuna.samplers.TPESampler(seed=cfg.sweep.seed),
-                            study_name=exp_dir.name)
+                            study_name=exp_dir.name, metric=METRIC, mode=MODE)
     max_t = trial_tokens(cfg)
     scheduler = ASHAScheduler(time_attr="tokens", max_t=max_t,
                               grace_period=min(grace_tokens(cfg), max_t),
-                              reduction_factor=cfg.sweep.reduction_factor)
+                              reduction_factor=cfg.sweep.reduction_factor, metric=METRIC,
+                              mode=MODE)
     budget = parse_duration(cfg.sweep.budget) if cfg.sweep.budget else None
     reporter = tune.CLIReporter(metric_columns=REPORT_COLUMNS, max_report_frequency=30,
                                 parameter_columns=[p.key for p in space.params], metric=METRIC,
                                 mode=MODE, sort_by_metric=True)
     return tune.Tuner(
         trainable,
-        tune_config=tune.TuneConfig(metric=METRIC, mode=MODE, search_alg=searcher,
+        tune_config=tune.TuneConfig(search_alg=searcher,
                                     scheduler=scheduler, num_samples=cfg.sweep.num_samples,
                                     max_concurrent_trials=max_concurrent, time_budget_s=budget),
         run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent),
@@ -134,6 +137,8 @@ def sweep_cli(config: str, overrides: list[str], *, name: str | None, storage: s
               address: str | None, restart: bool) -> int:
     cfg = checked_for_workers(load_config(config, overrides))
     space = parse_space(cfg)
+    if cfg.sweep.baseline:
+        space.baseline(cfg)  # check it now, not after Ray has started
     storage = resolve_storage(storage, "sweeps")
     if "://" in storage:
         raise UserError("gptrun sweep keeps its experiment folder on a path (NFS on a cluster); "

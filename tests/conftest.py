@@ -77,3 +77,39 @@ def tiny_config_text(data_dir: Path, out_dir: Path, **train: object) -> str:
     ]
     lines[-1] += "".join(f"\n{k} = {v!r}".replace("'", '"') for k, v in train.items())
     return "\n\n".join(lines) + "\n"
+
+
+SWEEP = """
+[sweep]
+num_samples = {n}
+seed = 3
+reduction_factor = 3
+grace_tokens = {grace}
+
+[sweep.space]
+lr = {{ loguniform = [1e-5, 0.3] }}
+weight_decay = {{ loguniform = [1e-3, 0.3], include_zero = true }}
+warmup = {{ uniform = [0.0, 0.3] }}
+"""
+
+
+def write_sweep_config(tiny_data: Path, folder: Path, n: int, max_steps: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "sweep.toml"
+    grace = 4 * 32 * max_steps // 4  # a quarter of the trial, in tokens
+    text = tiny_config_text(tiny_data, folder / "run", max_steps=max_steps).replace(
+        "max_steps = 12\n", "").replace("warmup = 2\n", "warmup = 0.1\n")
+    config.write_text(text + SWEEP.format(n=n, grace=grace))
+    return config
+
+
+@pytest.fixture(scope="session")
+def finished_sweep(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 6-trial sweep (Optuna + ASHA on local Ray), run once through the CLI."""
+    folder = tmp_path_factory.mktemp("sweep")
+    config = write_sweep_config(tiny_data, folder, n=6, max_steps=24)
+    proc = run_cli("sweep", str(config), "--name", "finished", "--storage", str(folder / "sweeps"),
+                   timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "best trial" in proc.stdout and "best.toml" in proc.stdout
+    return folder / "sweeps" / "finished"

@@ -18,33 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_user_error, run_cli, tiny_config_text
+from tests.conftest import REPO, assert_user_error, run_cli, write_sweep_config
 
 pytestmark = pytest.mark.ray
-
-SWEEP = """
-[sweep]
-num_samples = {n}
-seed = 3
-reduction_factor = 3
-grace_tokens = {grace}
-
-[sweep.space]
-lr = {{ loguniform = [1e-5, 0.3] }}
-weight_decay = {{ loguniform = [1e-3, 0.3], include_zero = true }}
-warmup = {{ uniform = [0.0, 0.3] }}
-"""
-
-
-def write_sweep_config(tiny_data: Path, folder: Path, n: int, max_steps: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    config = folder / "sweep.toml"
-    grace = 4 * 4 * 32 * max_steps // 4  # a quarter of the trial, in tokens
-    text = tiny_config_text(tiny_data, folder / "run", max_steps=max_steps).replace(
-        "max_steps = 12\n", "")
-    config.write_text(text + SWEEP.format(n=n, grace=grace))
-    return config
-
 
 def trial_records(exp_dir: Path) -> dict[str, list[dict]]:
     """Every report of every trial, read from Tune's result.json files."""
@@ -54,17 +30,6 @@ def trial_records(exp_dir: Path) -> dict[str, list[dict]]:
         if lines:
             records[lines[0]["trial_id"]] = lines
     return records
-
-
-@pytest.fixture(scope="module")
-def finished_sweep(tiny_data, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("sweep")
-    config = write_sweep_config(tiny_data, folder, n=6, max_steps=24)
-    proc = run_cli("sweep", str(config), "--name", "finished", "--storage", str(folder / "sweeps"),
-                   timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "best trial" in proc.stdout and "best.toml" in proc.stdout
-    return folder / "sweeps" / "finished"
 
 
 def test_sweep_completes_and_asha_stops_some_trials(finished_sweep):
@@ -152,6 +117,7 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(tiny_data, tmp_
     ("sweep.space.lr={ uniform = [0.0, 1e-3] }", "learning rate must be > 0"),
     ("sweep.space.lrr={ uniform = [0.1, 0.2] }", "not a config key that can be searched"),
     ("resources.gpus_per_worker=1", "needs"),
+    ("optim.warmup=0.5", "lies outside its sweep.space range"),
 ])
 def test_bad_sweep_configs_are_one_line(tiny_data, tmp_path, override, needle):
     config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8)
