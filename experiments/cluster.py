@@ -69,6 +69,22 @@ def _check_reachable(address: str) -> None:
                         "the address or start the cluster with `ray start --head`") from None
 
 
+def local_resources(extra_cpus: int = 0) -> tuple[float, float]:
+    """What a local instance started by `ray_session` will have: (CPUs, GPUs)."""
+    import torch
+
+    return float((os.cpu_count() or 1) + extra_cpus), float(torch.cuda.device_count())
+
+
+def check_fits(cpus: float, gpus: float, what: str, have: tuple[float, float],
+               waited: str = "") -> None:
+    if have[0] >= cpus and have[1] >= gpus:
+        return
+    raise UserError(f"{what} needs {cpus:g} CPUs and {gpus:g} GPUs but the cluster has "
+                    f"{have[0]:g} CPUs and {have[1]:g} GPUs{waited}; lower --workers / "
+                    "--gpus-per-worker or add nodes")
+
+
 def require_resources(cpus: float, gpus: float, what: str) -> None:
     """Wait (bounded) until the cluster could ever fit `cpus`/`gpus`, else one clear line."""
     import ray
@@ -76,14 +92,11 @@ def require_resources(cpus: float, gpus: float, what: str) -> None:
     deadline = time.monotonic() + RESOURCE_WAIT_S
     while True:
         total = ray.cluster_resources()
-        have_cpu, have_gpu = total.get("CPU", 0.0), total.get("GPU", 0.0)
-        if have_cpu >= cpus and have_gpu >= gpus:
-            return
+        have = (total.get("CPU", 0.0), total.get("GPU", 0.0))
         if time.monotonic() > deadline:
-            raise UserError(f"{what} needs {cpus:g} CPUs and {gpus:g} GPUs but the cluster has "
-                            f"{have_cpu:g} CPUs and {have_gpu:g} GPUs (waited "
-                            f"{RESOURCE_WAIT_S:g}s); lower --workers / --gpus-per-worker or add "
-                            "nodes")
+            check_fits(cpus, gpus, what, have, f" (waited {RESOURCE_WAIT_S:g}s)")
+        if have[0] >= cpus and have[1] >= gpus:
+            return
         time.sleep(1.0)
 
 

@@ -20,7 +20,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from experiments.cluster import ray_session, require_resources, resolve_storage
+from experiments.cluster import (
+    check_fits,
+    local_resources,
+    ray_session,
+    require_resources,
+    resolve_storage,
+)
 from experiments.space import Space, apply_overrides, parse_space
 from experiments.train import build_trainer, checked_for_workers, diverged_loss
 from gptcore.atomic import atomic_file, write_text_atomic
@@ -149,11 +155,13 @@ def sweep_cli(config: str, overrides: list[str], *, name: str | None, storage: s
             raise UserError(f"experiment {exp_dir} exists; continue it with `gptrun resume "
                             f"{exp_dir}` or start over with --restart")
         shutil.rmtree(exp_dir)
+    res = cfg.resources
+    need = (res.workers * res.cpus_per_worker + TRIAL_DRIVER_CPU, res.workers * res.gpus_per_worker)
+    if address is None:  # a local instance: no need to start Ray to know it is too small
+        check_fits(*need, "one trial", local_resources(extra_cpus=1))
     with ray_session(address, extra_local_cpus=1):
         cpus, gpus = _cluster_size()
-        res = cfg.resources
-        require_resources(res.workers * res.cpus_per_worker + TRIAL_DRIVER_CPU,
-                          res.workers * res.gpus_per_worker, "one trial")
+        require_resources(*need, "one trial")
         width = concurrency(cfg, cpus, gpus)
         exp_dir.mkdir(parents=True)
         write_text_atomic(exp_dir / "gptrun.toml", cfg.to_toml())

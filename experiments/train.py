@@ -13,7 +13,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from experiments.cluster import is_local, ray_session, require_resources, resolve_storage
+from experiments.cluster import (
+    check_fits,
+    is_local,
+    local_resources,
+    ray_session,
+    require_resources,
+    resolve_storage,
+)
 from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from gptcore.config import ExperimentConfig, config_from_dict
 from gptcore.errors import DivergedError, UserError
@@ -135,15 +142,19 @@ def raise_root_cause(err: Exception) -> None:
 
 def train_on_ray(cfg: ExperimentConfig, *, address: str | None, storage: str | None,
                  name: str | None, max_failures: int) -> int:
+    import ray
+
     cfg = checked_for_workers(cfg)
     storage = resolve_storage(storage, "runs")
     name = name or cfg.name
     if max_failures < -1:
         raise UserError(f"--max-failures={max_failures} must be >= -1 (-1 retries forever)")
     res = cfg.resources
+    need = (res.workers * res.cpus_per_worker, res.workers * res.gpus_per_worker)
+    if address is None and not ray.is_initialized():
+        check_fits(*need, f"--workers {res.workers}", local_resources())
     with ray_session(address):
-        require_resources(res.workers * res.cpus_per_worker, res.workers * res.gpus_per_worker,
-                          f"--workers {res.workers}")
+        require_resources(*need, f"--workers {res.workers}")
         print(f"run {name!r} under {storage} ({res.workers} worker(s), "
               f"{res.cpus_per_worker:g} CPU + {res.gpus_per_worker:g} GPU each); rerun the same "
               "command to resume")
