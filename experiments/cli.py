@@ -129,12 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="where to write (default: EXPERIMENT_DIR/report)")
     p.set_defaults(handler=_report)
 
-    p = sub.add_parser("confirm", help="re-run the best configs with new seeds: is the win noise?")
-    p.add_argument("experiment_dir")
-    p.add_argument("--top", type=int, default=2)
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--address", default=None)
-    p.set_defaults(handler=_confirm)
     return parser
 
 
@@ -205,12 +199,6 @@ def _report(args: argparse.Namespace) -> int:
     from experiments.report import report_cli
 
     return report_cli(args.experiment_dir, out=args.out)
-
-
-def _confirm(args: argparse.Namespace) -> int:
-    from experiments.confirm import confirm_cli
-
-    return confirm_cli(args.experiment_dir, top=args.top, seeds=args.seeds, address=args.address)
 
 
 def _toml_str(text: str) -> str:

@@ -40,8 +40,8 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     print_table(trials)
 
     rows = trial_rows(trials)
-    _write_table({k: [r[k] for r in rows] for k in (rows[0] if rows else ["rank", "trial_id"])},
-                 out_dir, "trials")
+    names = rows[0] if rows else ("rank", "trial_id", "lr", "weight_decay", "warmup", *COLUMNS)
+    _write_table({k: [r[k] for r in rows] for k in names}, out_dir, "trials")
     curves = load_curves(exp_dir)
     _write_table({k: [c[k] for c in curves] for k in CURVE_COLUMNS}, out_dir, "curves")
 
@@ -54,6 +54,7 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
         print(f"best trial {best['trial_id']}: val loss {best['val_loss']:.4f} | config "
               f"{out_dir / 'best.toml'} | checkpoint {best['checkpoint'] or '-'}")
     else:
+        (out_dir / "best.toml").unlink(missing_ok=True)
         print("no trial has finished without error yet; no best.toml written")
 
     best_id = best["trial_id"] if best else None

@@ -180,19 +180,15 @@ class SweepConfig:
     grace_tokens: int = 0  # ASHA: tokens before the first cut; 0 means a quarter of the trial
     reduction_factor: int = 2
     storage_url: str = ""  # Optuna RDB; "" means sqlite in the experiment folder
-    confirm_top: int = 0  # re-run the K best configs with new seeds at the end
-    confirm_seeds: int = 3
     space: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         _positive("sweep.num_samples", self.num_samples)
         if self.reduction_factor < 2:
             raise UserError(f"sweep.reduction_factor={self.reduction_factor} must be >= 2")
-        for key in ("max_concurrent", "grace_tokens", "confirm_top"):
+        for key in ("max_concurrent", "grace_tokens"):
             if getattr(self, key) < 0:
                 raise UserError(f"sweep.{key}={getattr(self, key)} must be >= 0")
-        if self.confirm_top:
-            _positive("sweep.confirm_seeds", self.confirm_seeds)
         if self.budget:
             parse_duration(self.budget)
 
