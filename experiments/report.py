@@ -63,7 +63,7 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     _save(_plot_scatter(figure(), trials, "warmup", best_id), out_dir / "warmup.png")
     _save(_plot_parallel(figure(), trials, space, best_id), out_dir / "parallel.png")
     note = _importance(figure, exp_dir, cfg, out_dir)
-    page = _html(exp_dir, trials, rows, best, note, _baseline_note(exp_dir, cfg, space, trials))
+    page = _html(exp_dir, trials, rows, best, note, _baseline_note(cfg, space, trials))
     _write(out_dir / "report.html", lambda tmp: tmp.write_text(page, encoding="utf-8"))
     print(f"report: {(out_dir / 'report.html').resolve()}")
     return 0
@@ -248,9 +248,8 @@ def _importance(figure: Any, exp_dir: Path, cfg: ExperimentConfig, out_dir: Path
     return None
 
 
-def _baseline_note(exp_dir: Path, cfg: ExperimentConfig, space: Space,
-                   trials: list[dict[str, Any]]) -> str:
-    """How many trials ran the base config's own values: the only repeat a sweep has."""
+def _baseline_note(cfg: ExperimentConfig, space: Space, trials: list[dict[str, Any]]) -> str:
+    """How many trials ran the base config's own values; the noise itself is not measured."""
     raw = cfg.to_dict()
     base = {p.key: raw[p.key.partition(".")[0]][p.key.partition(".")[2]] for p in space.params}
     same = sum(all(_same(space.overrides(t["config"]).get(k), v) for k, v in base.items())
@@ -258,9 +257,9 @@ def _baseline_note(exp_dir: Path, cfg: ExperimentConfig, space: Space,
     values = ", ".join(f"{k.rpartition('.')[2]}={v:g}" if isinstance(v, float) else
                        f"{k.rpartition('.')[2]}={v}" for k, v in base.items())
     return (f"{same} trial(s) ran with the baseline config ({values}). Seed-to-seed noise has not "
-            "been measured for this sweep, so differences between close trials may be noise; "
-            f"<code>gptrun confirm {html.escape(str(exp_dir))}</code> re-runs the top configs "
-            "with new seeds.")
+            "been measured for this sweep, so differences between close trials may be noise; to "
+            "measure it, train best.toml again with other seeds "
+            "(<code>gptrun train best.toml --set train.seed=N</code>).")
 
 
 def _html(exp_dir: Path, trials: list[dict[str, Any]], rows: list[dict[str, Any]],
