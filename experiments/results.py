@@ -21,7 +21,7 @@ def load_analysis(exp_dir: Path) -> Any:
     if not (exp_dir / "gptrun.toml").exists() or not list(exp_dir.glob("experiment_state-*.json")):
         raise UserError(f"{exp_dir} is not a gptrun sweep folder (no gptrun.toml / Tune state); "
                         "pass the folder that `gptrun sweep` printed")
-    return ExperimentAnalysis(str(exp_dir))
+    return ExperimentAnalysis(str(exp_dir.resolve()))  # Ray reads a relative path as a URI
 
 
 def trial_status(tune_status: str, last: dict[str, Any], max_tokens: float) -> str:
