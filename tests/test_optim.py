@@ -78,22 +78,20 @@ def test_matches_torch_adamw_including_a_state_dict_round_trip(decay_embeddings:
     opt = make_optimizer("ours", model, decay_embeddings)
     train(model, opt, 0, 25)
     model_state, opt_state = model.state_dict(), opt.state_dict()
-    resumed = GPT(CFG)
-    resumed.load_state_dict(roundtrip(model_state))
-    resumed_opt = make_optimizer("ours", resumed, decay_embeddings)
-    resumed_opt.load_state_dict(roundtrip(opt_state))
-    train(resumed, resumed_opt, 25, STEPS)
+    def resume_with(kind: str) -> GPT:
+        # A fresh copy each time: load_state_dict keeps the given tensors, which training mutates.
+        resumed = GPT(CFG)
+        resumed.load_state_dict(roundtrip(model_state))
+        resumed_opt = make_optimizer(kind, resumed, decay_embeddings)
+        resumed_opt.load_state_dict(roundtrip(opt_state))
+        train(resumed, resumed_opt, 25, STEPS)
+        return resumed
+
+    resumed = resume_with("ours")
     assert_same_params(resumed, ours)
     assert_same_params(resumed, torch_foreach)
-
     # The state dict is torch's own layout: torch.optim.AdamW can pick it up and continue.
-    # (A fresh copy each time: load_state_dict keeps the given tensors, which training mutates.)
-    handed_over = GPT(CFG)
-    handed_over.load_state_dict(roundtrip(model_state))
-    torch_opt = make_optimizer("torch-foreach", handed_over, decay_embeddings)
-    torch_opt.load_state_dict(roundtrip(opt_state))
-    train(handed_over, torch_opt, 25, STEPS)
-    assert_same_params(handed_over, ours)
+    assert_same_params(resume_with("torch-foreach"), ours)
 
 
 def test_state_layout_matches_torch() -> None:
