@@ -2,9 +2,12 @@
 vs the bare in-process loop, measured in the same run, plus Ray's fixed start-up; and 2 DDP workers
 x 1 thread vs 1 worker x 2 threads.
 
-    python benchmarks/ray_overhead.py --data data/shakespeare [--steps 60]
+    python benchmarks/ray_overhead.py --data data/shakespeare [--steps 80]
 
-Steady state = the median tokens/s of the log intervals after the first (which holds warm-up).
+Both sides run gptcore's `Trainer.fit` with a report every 10 steps, and both read the same
+number: the training-window tokens/s of each report (eval and checkpoint time excluded). Steady
+state is the median over the reports after the first. The bare loop runs before and after the
+Ray runs (the mean is used), on the same local Ray instance, so both see the same background.
 """
 
 from __future__ import annotations
@@ -14,66 +17,71 @@ import statistics
 import tempfile
 import time
 
-import ray
+import torch
 
+from experiments.cluster import ray_session
 from experiments.train import build_trainer, checked_for_workers
-from gptcore.config import load_config
+from gptcore.config import ExperimentConfig, load_config
 from gptcore.train import Trainer
 
 
-def config(data: str, steps: int, *overrides: str):
+def config(data: str, steps: int, *overrides: str) -> ExperimentConfig:
     return checked_for_workers(load_config("experiments/configs/quickstart.toml", [
         f'data.dir="{data}"', f"train.max_steps={steps}", "train.log_interval=10",
-        f"train.eval_interval={steps}", "train.eval_tokens=8192", *overrides]))
+        "train.eval_interval=10", "train.eval_tokens=2048", "train.keep_checkpoints=0",
+        *overrides]))
 
 
-def local_tokens_per_sec(cfg) -> float:
-    import torch
+def steady(reports: list[dict]) -> tuple[float, float]:
+    """(tokens/s, MFU): medians over the reports after the first."""
+    return (statistics.median(m["tokens_per_sec"] for m in reports[1:]),
+            statistics.median(m["mfu"] for m in reports[1:]))
 
+
+def bare_tokens_per_sec(cfg: ExperimentConfig) -> tuple[float, float]:
     torch.set_num_threads(max(1, int(cfg.resources.cpus_per_worker)))
-    trainer = Trainer(cfg, log=None)
-    rates, start = [], time.perf_counter()
-    for step in range(1, cfg.train.max_steps + 1):
-        trainer.train_step()
-        if step % cfg.train.log_interval == 0:
-            now = time.perf_counter()
-            rates.append(cfg.train.log_interval * trainer.tokens_per_step / (now - start))
-            start = now
-    return statistics.median(rates[1:])
+    reports: list[dict] = []
+    Trainer(cfg, log=None).fit(lambda metrics, state: reports.append(dict(metrics)))
+    return steady(reports)
 
 
-def ray_tokens_per_sec(cfg, storage: str, name: str) -> tuple[float, float]:
-    """(tokens/s of the last log interval, as rank 0 reported it; seconds of fit() that were
-    not training: start-up, evaluation, checkpoints, shutdown)."""
+def ray_tokens_per_sec(cfg: ExperimentConfig, storage: str, name: str) -> tuple[float, float, float]:
+    """(steady tokens/s and MFU from rank 0's reports; seconds of fit() that were not training
+    steps: start-up, evaluation, checkpoints, shutdown)."""
     start = time.perf_counter()
     result = build_trainer(cfg, storage=storage, name=name, max_failures=0).fit()
     wall = time.perf_counter() - start
-    train_seconds = result.metrics["tokens"] / result.metrics["tokens_per_sec"]
-    return result.metrics["tokens_per_sec"], wall - train_seconds
+    reports = sorted((m for _, m in result.best_checkpoints), key=lambda m: m["step"])
+    steps_per_report = cfg.train.eval_interval
+    train_seconds = sum(steps_per_report * cfg.train.batch_size * cfg.model.seq_len
+                        / m["tokens_per_sec"] for m in reports)
+    return (*steady(reports), wall - train_seconds)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default="data/shakespeare")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=80)
     args = parser.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error")
-    with tempfile.TemporaryDirectory() as storage:
-        one = config(args.data, args.steps, "resources.cpus_per_worker=2")
-        bare = local_tokens_per_sec(one)
-        on_ray, startup = ray_tokens_per_sec(one, storage, "one")
-        ddp_cfg = config(args.data, args.steps, "resources.workers=2",
-                         "resources.cpus_per_worker=1", "train.batch_size=8")
-        ddp, _ = ray_tokens_per_sec(ddp_cfg, storage, "ddp")
-    ray.shutdown()
+    one = config(args.data, args.steps, "resources.cpus_per_worker=2")
+    ddp_cfg = config(args.data, args.steps, "resources.workers=2", "resources.cpus_per_worker=1",
+                     "train.batch_size=8")
+    with ray_session(), tempfile.TemporaryDirectory() as storage:
+        bare_before, mfu_before = bare_tokens_per_sec(one)
+        on_ray, mfu_ray, overhead = ray_tokens_per_sec(one, storage, "one")
+        ddp, mfu_ddp, _ = ray_tokens_per_sec(ddp_cfg, storage, "ddp")
+        bare_after, mfu_after = bare_tokens_per_sec(one)
+    bare, mfu_bare = (bare_before + bare_after) / 2, (mfu_before + mfu_after) / 2
     print(f"quickstart model, {args.steps} steps, global batch {one.train.batch_size} x "
-          f"{one.model.seq_len} tokens")
-    print(f"  bare loop (--local, 2 threads)        {bare:9.0f} tokens/s")
+          f"{one.model.seq_len} tokens, steady state = median of 10-step windows")
+    print(f"  bare loop (--local, 2 threads)        {bare:9.0f} tokens/s  "
+          f"MFU {mfu_bare:.1%}  (before {bare_before:.0f}, after {bare_after:.0f})")
     print(f"  Ray Train, 1 worker x 2 threads       {on_ray:9.0f} tokens/s  "
-          f"ratio {on_ray / bare:.3f}  (aim >= 0.97)")
-    print(f"  Ray Train fixed start-up + eval        {startup:9.1f} s")
+          f"MFU {mfu_ray:.1%}  ratio {on_ray / bare:.3f}  (aim >= 0.97)")
+    print(f"  Ray Train time outside steps          {overhead:9.1f} s  "
+          f"(start-up, {args.steps // 10} evals + checkpoints, shutdown)")
     print(f"  Ray Train DDP, 2 workers x 1 thread   {ddp:9.0f} tokens/s  "
-          f"ratio vs 1 x 2 threads {ddp / on_ray:.3f}")
+          f"MFU {mfu_ddp:.1%} (per 1-thread worker)  ratio vs 1 x 2 threads {ddp / on_ray:.3f}")
 
 
 if __name__ == "__main__":
