@@ -21,6 +21,7 @@ examples:
   gptrun plan experiments/configs/quickstart.toml
   gptrun sweep experiments/configs/quickstart.toml --name demo
   gptrun resume sweeps/demo
+  gptrun confirm sweeps/demo --top 3 --seeds 3
   gptrun report sweeps/demo
 """
 
@@ -124,6 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None)
     p.set_defaults(handler=_resume)
 
+    p = sub.add_parser("confirm", help="re-run the best configs with new seeds: what is noise",
+                       description="Re-run the K best completed trials of a sweep with S new "
+                                   "seeds at full budget, report mean +- std for each and whether "
+                                   "the best is separated from the runner-up (Welch t-test). "
+                                   "Writes EXPERIMENT_DIR/noise.json; `gptrun report` shows it. "
+                                   "Killed, the same command resumes it.")
+    p.add_argument("experiment_dir")
+    p.add_argument("--top", type=int, default=3, help="how many of the best configs (default 3)")
+    p.add_argument("--seeds", type=int, default=3, help="new seeds per config (default 3)")
+    p.add_argument("--restart", action="store_true",
+                   help="replace an earlier confirm with a different --top / --seeds")
+    p.add_argument("--address", default=None)
+    p.set_defaults(handler=_confirm)
+
     p = sub.add_parser("report", help="tables, plots, report.html and best.toml for a sweep")
     p.add_argument("experiment_dir")
     p.add_argument("--out", default=None, help="where to write (default: EXPERIMENT_DIR/report)")
@@ -193,6 +208,13 @@ def _resume(args: argparse.Namespace) -> int:
     from experiments.sweep import resume_cli
 
     return resume_cli(args.experiment_dir, address=args.address)
+
+
+def _confirm(args: argparse.Namespace) -> int:
+    from experiments.confirm import confirm_cli
+
+    return confirm_cli(args.experiment_dir, top=args.top, seeds=args.seeds, address=args.address,
+                       restart=args.restart)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -5,12 +5,14 @@ best.toml. It reads files only (no Ray cluster, no server) and works on interrup
 from __future__ import annotations
 
 import html
+import json
 import math
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from experiments.confirm import NOISE_FILE, print_noise, verdict
 from experiments.results import load_curves, load_trials, print_table, short_params
 from experiments.space import Space, apply_overrides, parse_space
 from gptcore.atomic import atomic_file
@@ -63,7 +65,9 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     _save(_plot_scatter(figure(), trials, "warmup", best_id), out_dir / "warmup.png")
     _save(_plot_parallel(figure(), trials, space, best_id), out_dir / "parallel.png")
     note = _importance(figure, exp_dir, cfg, out_dir)
-    page = _html(exp_dir, trials, rows, best, note, _baseline_note(cfg, space, trials))
+    noise = _baseline_note(cfg, space, trials) + (_noise_section(figure, exp_dir, out_dir)
+                                                  or _unmeasured_note(exp_dir))
+    page = _html(exp_dir, trials, rows, best, note, noise)
     _write(out_dir / "report.html", lambda tmp: tmp.write_text(page, encoding="utf-8"))
     print(f"report: {(out_dir / 'report.html').resolve()}")
     return 0
@@ -248,18 +252,55 @@ def _importance(figure: Any, exp_dir: Path, cfg: ExperimentConfig, out_dir: Path
     return None
 
 
+def _noise_section(figure: Any, exp_dir: Path, out_dir: Path) -> str | None:
+    """From `noise.json` (written by `gptrun confirm`): print it, draw noise.png, return the HTML.
+    None when the noise has not been measured."""
+    (out_dir / "noise.png").unlink(missing_ok=True)
+    if not (exp_dir / NOISE_FILE).exists():
+        return None
+    noise = json.loads((exp_dir / NOISE_FILE).read_text())
+    print_noise(noise)
+    fig, ax = figure()
+    for x, row in enumerate(noise["candidates"]):
+        ax.scatter([x] * len(row["losses"]), row["losses"], color="tab:blue", zorder=2,
+                   label="new seeds" if x == 0 else None)
+        if _finite(row["std"]):
+            ax.errorbar([x + 0.15], [row["mean"]], yerr=[row["std"]], fmt="s", color="k",
+                        capsize=6, label="mean +- std" if x == 0 else None)
+        ax.scatter([x - 0.15], [row["sweep_val_loss"]], marker="x", s=70, color="tab:red",
+                   label="sweep run (selected)" if x == 0 else None)
+    ax.set_xticks(range(len(noise["candidates"])), [r["trial_id"] for r in noise["candidates"]])
+    ax.set(xlabel="config (sweep trial)", ylabel="final validation loss",
+           title="Re-runs of the best configs with new seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    _save(fig, out_dir / "noise.png")
+    esc = html.escape
+    rows = "".join(f"<tr><td>{esc(r['trial_id'])}</td><td>{_cell(r['sweep_val_loss'])}</td>"
+                   f"<td>{_cell(r['mean'])}</td><td>{_cell(r['std'])}</td>"
+                   f"<td>{len(r['losses'])}</td></tr>" for r in noise["candidates"])
+    return (f"<p>{esc(verdict(noise))}. Seed noise: std {noise['seed_std']:.4f} nats, "
+            f"{noise['noise_fraction']:.0%} of the variance among the re-runs (std "
+            f"{noise['spread_std']:.4f}): near 100% the top configs are indistinguishable.</p>"
+            "<table><tr><th>trial</th><th>sweep loss</th><th>mean</th><th>std</th><th>runs</th>"
+            f"</tr>{rows}</table><img src='noise.png' alt='noise'>")
+
+
 def _baseline_note(cfg: ExperimentConfig, space: Space, trials: list[dict[str, Any]]) -> str:
-    """How many trials ran the base config's own values; the noise itself is not measured."""
+    """How many trials ran the base config's own values."""
     raw = cfg.to_dict()
     base = {p.key: raw[p.key.partition(".")[0]][p.key.partition(".")[2]] for p in space.params}
     same = sum(all(_same(space.overrides(t["config"]).get(k), v) for k, v in base.items())
                for t in trials)
     values = ", ".join(f"{k.rpartition('.')[2]}={v:g}" if isinstance(v, float) else
                        f"{k.rpartition('.')[2]}={v}" for k, v in base.items())
-    return (f"{same} trial(s) ran with the baseline config ({values}). Seed-to-seed noise has not "
-            "been measured for this sweep, so differences between close trials may be noise; to "
-            "measure it, train best.toml again with other seeds "
-            "(<code>gptrun train best.toml --set train.seed=N</code>).")
+    return f"<p>{same} trial(s) ran with the baseline config ({values}).</p>"
+
+
+def _unmeasured_note(exp_dir: Path) -> str:
+    return ("<p>Seed-to-seed noise has not been measured for this sweep, so differences between "
+            "close trials may be noise; to measure it, re-run the best configs with new seeds "
+            f"(<code>gptrun confirm {html.escape(str(exp_dir))} --top 3 --seeds 3</code>).</p>")
 
 
 def _html(exp_dir: Path, trials: list[dict[str, Any]], rows: list[dict[str, Any]],
@@ -288,7 +329,7 @@ tr.diverged,tr.error{{color:#a00}} img{{max-width:100%}}</style></head><body>
 <p class="best">{best_line}</p>
 <h2>Trials</h2><table><tr>{head}</tr>{body}</table>
 {plots}<h2>Hyperparameter importance</h2>{imp}
-<h2>Noise</h2><p>{noise}</p>
+<h2>Noise</h2>{noise}
 </body></html>
 """
 

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from experiments.space import ZERO_SUFFIX
 from gptcore.errors import UserError
 
 STATUS_ORDER = ("completed", "stopped early", "diverged", "error", "unfinished")
@@ -77,9 +78,9 @@ def short_params(config: dict[str, Any]) -> dict[str, Any]:
     """`optim.lr` -> `lr`, and the include-zero flags folded into their values."""
     out: dict[str, Any] = {}
     for key, value in config.items():
-        if key.endswith("=0"):
+        if key.endswith(ZERO_SUFFIX):
             if value:
-                out[key[:-2].rpartition(".")[2]] = 0.0
+                out[key.removesuffix(ZERO_SUFFIX).rpartition(".")[2]] = 0.0
             continue
         out.setdefault(key.rpartition(".")[2], value)
     return out
@@ -95,9 +96,9 @@ def print_table(trials: list[dict[str, Any]]) -> None:
     rows = []
     for rank, t in enumerate(trials, 1):
         params = short_params(t["config"])
-        rows.append([str(rank), *(_fmt(params.get(k, "")) for k in keys),
-                     f"{t['tokens']:,.0f}", _fmt(t["val_loss"]), _fmt(t["best_val_loss"]),
-                     _fmt(t["val_bpb"]), t["status"], f"{t['wall_s']:.0f}s"])
+        rows.append([str(rank), *(fmt_value(params.get(k, "")) for k in keys),
+                     f"{t['tokens']:,.0f}", fmt_value(t["val_loss"]), fmt_value(t["best_val_loss"]),
+                     fmt_value(t["val_bpb"]), t["status"], f"{t['wall_s']:.0f}s"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
     for row in rows:
@@ -107,7 +108,8 @@ def print_table(trials: list[dict[str, Any]]) -> None:
             print(f"  {t['trial_id']} {t['status']}: {t['reason']}")
 
 
-def _fmt(value: Any) -> str:
+def fmt_value(value: Any) -> str:
+    """A table cell: 4 significant digits, '-' for NaN."""
     if isinstance(value, float):
         if math.isnan(value):
             return "-"

@@ -25,6 +25,7 @@ ALIASES = {name: f"optim.{name}" for name in
            ("lr", "weight_decay", "warmup", "beta1", "beta2", "eps", "min_lr_ratio", "grad_clip")}
 ALIASES.update(batch_size="train.batch_size", grad_accum="train.grad_accum")
 KINDS = ("loguniform", "uniform", "int", "choice")
+ZERO_SUFFIX = "_is_zero"  # `optim.weight_decay_is_zero`: the include_zero choice (a valid MLflow key)
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,18 @@ class Param:
 
     @property
     def zero_flag(self) -> str:
-        return f"{self.key}=0"
+        return self.key + ZERO_SUFFIX
 
 
 @dataclass(frozen=True)
 class Space:
     params: tuple[Param, ...]
     fixed: dict[str, Any]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The searched config keys: the columns of Tune's progress table."""
+        return tuple(p.key for p in self.params)
 
     def suggest(self, trial: Any) -> None:
         """Optuna define-by-run: ask `trial` for every searched key."""

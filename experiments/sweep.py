@@ -28,7 +28,7 @@ from experiments.cluster import (
     resolve_storage,
 )
 from experiments.space import Space, apply_overrides, parse_space
-from experiments.train import build_trainer, checked_for_workers, diverged_loss
+from experiments.train import build_trainer, checked_for_workers, diverged_loss, root_message
 from gptcore.atomic import atomic_file, write_text_atomic
 from gptcore.config import ExperimentConfig, load_config, parse_duration
 from gptcore.errors import UserError
@@ -83,7 +83,7 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], runs_storage: str,
         result = trainer.fit()
     except Exception as err:  # recorded with its reason; never crashes the sweep
         tune.report({METRIC: diverged_loss(cfg), "tokens": float(trial_tokens(cfg)),
-                     "error": 1.0, "reason": _root_message(err)})
+                     "error": 1.0, "reason": root_message(err)})
         return
     outcome = result.return_value or {}
     if outcome.get("status") == "diverged":
@@ -91,21 +91,14 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], runs_storage: str,
                      "diverged": 1.0, "reason": outcome["reason"]})
 
 
-def _root_message(err: BaseException) -> str:
-    causes = list(getattr(err, "worker_failures", {}).values()) or [err]
-    cause = causes[0]
-    while getattr(cause, "cause", None) is not None:
-        cause = cause.cause
-    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
-    return (lines[-1] if lines else type(cause).__name__)[:300]
-
-
-def build_tuner(cfg: ExperimentConfig, space: Space, exp_dir: Path, max_concurrent: int,
-                restore: bool = False) -> Any:
-    import optuna
+def build_tuner(cfg: ExperimentConfig, space: Any, exp_dir: Path, max_concurrent: int, *,
+                restore: bool = False, tune_config: Any = None, param_space: dict | None = None,
+                stop: Any = None, tracking_name: str = "") -> Any:
+    """The Tuner of experiment `exp_dir`: one `run_trial` per trial, `space.overrides(config)`
+    turning a trial's config into config values. The search defaults to TPE + ASHA from
+    `cfg.sweep` (`search_config`); `gptrun confirm` and the benchmarks pass their own. Trackers
+    log under `tracking_name` (default: the experiment's name)."""
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
-    from ray.tune.search.optuna import OptunaSearch
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's table reporter, not the new UI
     base = {"config": cfg.to_dict(), "space": space}
@@ -115,28 +108,67 @@ def build_tuner(cfg: ExperimentConfig, space: Space, exp_dir: Path, max_concurre
         {"cpu": TRIAL_DRIVER_CPU})
     if restore:
         return tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_errored=True)
+    tune_config = tune_config or search_config(cfg, space, exp_dir.name)
+    tune_config.max_concurrent_trials = max_concurrent
+    reporter = tune.CLIReporter(metric_columns=REPORT_COLUMNS, max_report_frequency=30,
+                                parameter_columns=list(space.keys), metric=METRIC, mode=MODE,
+                                sort_by_metric=True)
+    return tune.Tuner(
+        trainable, param_space=param_space, tune_config=tune_config,
+        run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent),
+                                  progress_reporter=reporter, verbose=1, stop=stop,
+                                  callbacks=tracking_callbacks(cfg, tracking_name or exp_dir.name),
+                                  failure_config=tune.FailureConfig(max_failures=1)),
+    )
+
+
+def search_config(cfg: ExperimentConfig, space: Space, study_name: str) -> Any:
+    """TPE (seeded, the baseline as its first point) + ASHA on tokens, within the budget."""
+    import optuna
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.optuna import OptunaSearch
+
     points = [space.baseline(cfg)] if cfg.sweep.baseline else None
     searcher = OptunaSearch(space=space.suggest, points_to_evaluate=points,
                             sampler=optuna.samplers.TPESampler(seed=cfg.sweep.seed),
-                            study_name=exp_dir.name, metric=METRIC, mode=MODE)
+                            study_name=study_name, metric=METRIC, mode=MODE)
     max_t = trial_tokens(cfg)
     scheduler = ASHAScheduler(time_attr="tokens", max_t=max_t,
                               grace_period=min(grace_tokens(cfg), max_t),
                               reduction_factor=cfg.sweep.reduction_factor, metric=METRIC,
                               mode=MODE)
     budget = parse_duration(cfg.sweep.budget) if cfg.sweep.budget else None
-    reporter = tune.CLIReporter(metric_columns=REPORT_COLUMNS, max_report_frequency=30,
-                                parameter_columns=[p.key for p in space.params], metric=METRIC,
-                                mode=MODE, sort_by_metric=True)
-    return tune.Tuner(
-        trainable,
-        tune_config=tune.TuneConfig(search_alg=searcher,
-                                    scheduler=scheduler, num_samples=cfg.sweep.num_samples,
-                                    max_concurrent_trials=max_concurrent, time_budget_s=budget),
-        run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent),
-                                  progress_reporter=reporter, verbose=1,
-                                  failure_config=tune.FailureConfig(max_failures=1)),
-    )
+    return tune.TuneConfig(search_alg=searcher, scheduler=scheduler,
+                           num_samples=cfg.sweep.num_samples, time_budget_s=budget)
+
+
+def tracking_callbacks(cfg: ExperimentConfig, experiment: str) -> list[Any]:
+    """MLflow / W&B loggers from `[tracking]`, empty unless the user set them (no network call
+    otherwise). They run in the Tune driver on each trial's results, which are rank 0's reports;
+    each trial is one MLflow run / W&B run in the experiment's name / group."""
+    callbacks: list[Any] = []
+    if cfg.tracking.mlflow_uri:
+        _require_extra("mlflow", "mlflow")
+        from ray.air.integrations.mlflow import MLflowLoggerCallback
+
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no calls home
+
+        callbacks.append(MLflowLoggerCallback(tracking_uri=cfg.tracking.mlflow_uri,
+                                              experiment_name=experiment, save_artifact=False))
+    if cfg.tracking.wandb_project:
+        _require_extra("wandb", "wandb")
+        from ray.air.integrations.wandb import WandbLoggerCallback
+
+        callbacks.append(WandbLoggerCallback(project=cfg.tracking.wandb_project, group=experiment))
+    return callbacks
+
+
+def _require_extra(module: str, extra: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"[tracking] needs {module}: pip install 'gptrun[{extra}]' (or unset it)")
 
 
 def sweep_cli(config: str, overrides: list[str], *, name: str | None, storage: str | None,
@@ -145,6 +177,7 @@ def sweep_cli(config: str, overrides: list[str], *, name: str | None, storage: s
     space = parse_space(cfg)
     if cfg.sweep.baseline:
         space.baseline(cfg)  # check it now, not after Ray has started
+    tracking_callbacks(cfg, "check")  # a missing tracking extra, before Ray starts
     storage = resolve_storage(storage, "sweeps")
     if "://" in storage:
         raise UserError("gptrun sweep keeps its experiment folder on a path (NFS on a cluster); "
@@ -163,15 +196,21 @@ def sweep_cli(config: str, overrides: list[str], *, name: str | None, storage: s
         cpus, gpus = _cluster_size()
         require_resources(*need, "one trial")
         width = concurrency(cfg, cpus, gpus)
-        exp_dir.mkdir(parents=True)
-        write_text_atomic(exp_dir / "gptrun.toml", cfg.to_toml())
-        write_text_atomic(exp_dir / "sweep.json", json.dumps(
-            {"max_concurrent": width, "trial_tokens": trial_tokens(cfg)}, indent=1))
+        start_experiment(exp_dir, cfg, {"max_concurrent": width})
         print(f"sweep {exp_dir}: {cfg.sweep.num_samples} trials, {width} at a time, "
               f"{trial_tokens(cfg):,} tokens each, ASHA grace {grace_tokens(cfg):,} tokens"
               f"{', budget ' + cfg.sweep.budget if cfg.sweep.budget else ''}")
-        results = build_tuner(cfg, space, exp_dir, width).fit()
-    return finish(cfg, space, exp_dir, results)
+        build_tuner(cfg, space, exp_dir, width).fit()
+        return finish(cfg, space, exp_dir)
+
+
+def start_experiment(exp_dir: Path, cfg: ExperimentConfig, meta: dict[str, Any]) -> None:
+    """The files that make `exp_dir` a gptrun experiment: the base config, and `sweep.json` (how
+    to resume, and the per-trial budget that tells completed trials from stopped ones)."""
+    exp_dir.mkdir(parents=True)
+    write_text_atomic(exp_dir / "gptrun.toml", cfg.to_toml())
+    write_text_atomic(exp_dir / "sweep.json", json.dumps(
+        {"trial_tokens": trial_tokens(cfg), **meta}, indent=1))
 
 
 def resume_cli(experiment_dir: str, *, address: str | None) -> int:
@@ -186,12 +225,13 @@ def resume_cli(experiment_dir: str, *, address: str | None) -> int:
     width = json.loads((exp_dir / "sweep.json").read_text())["max_concurrent"]
     with ray_session(address, extra_local_cpus=1):
         print(f"resuming sweep {exp_dir}")
-        results = build_tuner(cfg, space, exp_dir, width, restore=True).fit()
-    return finish(cfg, space, exp_dir, results)
+        build_tuner(cfg, space, exp_dir, width, restore=True).fit()
+        return finish(cfg, space, exp_dir)
 
 
-def finish(cfg: ExperimentConfig, space: Space, exp_dir: Path, results: Any) -> int:
-    """Summary table, the Optuna study on disk, best.toml and the best checkpoint's path."""
+def finish(cfg: ExperimentConfig, space: Space, exp_dir: Path) -> int:
+    """Summary table, the Optuna study on disk, best.toml and the best checkpoint's path; then,
+    with `sweep.confirm_top`, the noise check (`experiments/confirm.py`) in the same Ray session."""
     from experiments.results import load_trials, print_table
 
     export_study(exp_dir, cfg)
@@ -208,6 +248,11 @@ def finish(cfg: ExperimentConfig, space: Space, exp_dir: Path, results: Any) -> 
     print(f"best trial {best['trial_id']}: val loss {best['val_loss']:.4f} | config "
           f"{exp_dir / 'best.toml'} | checkpoint {best['checkpoint']}")
     print(f"train it at full length: gptrun train {exp_dir / 'best.toml'}")
+    if cfg.sweep.confirm_top:
+        from experiments.confirm import confirm, confirm_plan
+
+        plan = confirm_plan(exp_dir, cfg, cfg.sweep.confirm_top, cfg.sweep.confirm_seeds)
+        return confirm(exp_dir, cfg, plan, restart=False)
     return 0
 
 

@@ -129,15 +129,29 @@ def checked_for_workers(cfg: ExperimentConfig) -> ExperimentConfig:
     return config_from_dict(raw)
 
 
+def error_chain(err: BaseException) -> list[BaseException]:
+    """`err` and the errors Ray wrapped in it (worker failures, their causes), outermost first."""
+    chain: list[BaseException] = []
+    for cause in [err, *getattr(err, "worker_failures", {}).values()]:
+        while cause is not None and cause not in chain:
+            chain.append(cause)
+            cause = getattr(cause, "cause", None) or cause.__cause__
+    return chain
+
+
 def raise_root_cause(err: Exception) -> None:
     """Turn a worker's UserError / DivergedError back into itself, so the CLI prints one line."""
-    causes = [err, *getattr(err, "worker_failures", {}).values()]
-    for cause in causes:
-        while cause is not None:
-            if isinstance(cause, (UserError, DivergedError)):
-                raise cause
-            cause = getattr(cause, "cause", None) or cause.__cause__
+    for cause in error_chain(err):
+        if isinstance(cause, (UserError, DivergedError)):
+            raise cause
     raise err
+
+
+def root_message(err: BaseException) -> str:
+    """The last line of the innermost error: what a sweep records as a failed trial's reason."""
+    cause = error_chain(err)[-1]
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else type(cause).__name__)[:300]
 
 
 def train_on_ray(cfg: ExperimentConfig, *, address: str | None, storage: str | None,

@@ -180,17 +180,31 @@ class SweepConfig:
     grace_tokens: int = 0  # ASHA: tokens before the first cut; 0 means a quarter of the trial
     reduction_factor: int = 2
     storage_url: str = ""  # Optuna RDB; "" means sqlite in the experiment folder
+    confirm_top: int = 0  # after the search, re-run the K best configs (0: no noise check) ...
+    confirm_seeds: int = 3  # ... with this many new seeds each, at full budget
     space: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         _positive("sweep.num_samples", self.num_samples)
         if self.reduction_factor < 2:
             raise UserError(f"sweep.reduction_factor={self.reduction_factor} must be >= 2")
-        for key in ("max_concurrent", "grace_tokens"):
+        for key in ("max_concurrent", "grace_tokens", "confirm_top"):
             if getattr(self, key) < 0:
                 raise UserError(f"sweep.{key}={getattr(self, key)} must be >= 0")
+        if self.confirm_seeds < 2:
+            raise UserError(f"sweep.confirm_seeds={self.confirm_seeds} must be >= 2 (a spread "
+                            "needs two runs)")
         if self.budget:
             parse_duration(self.budget)
+
+
+@dataclass
+class TrackingConfig:
+    """Optional experiment trackers for sweeps, fed from rank 0's reports. Off unless set; each
+    needs its extra (`pip install 'gptrun[mlflow]'` / `'gptrun[wandb]'`)."""
+
+    mlflow_uri: str = ""  # e.g. "sqlite:///mlflow.db" or "http://mlflow:5000"
+    wandb_project: str = ""  # W&B project; WANDB_API_KEY (or WANDB_MODE=offline) from the env
 
 
 @dataclass
@@ -202,6 +216,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def validate(self) -> ExperimentConfig:
         for section in (self.model, self.optim, self.train, self.resources, self.sweep):

@@ -85,6 +85,7 @@ num_samples = {n}
 seed = 3
 reduction_factor = 3
 grace_tokens = {grace}
+{extra}
 
 [sweep.space]
 lr = {{ loguniform = [1e-5, 0.3] }}
@@ -93,23 +94,30 @@ warmup = {{ uniform = [0.0, 0.3] }}
 """
 
 
-def write_sweep_config(tiny_data: Path, folder: Path, n: int, max_steps: int) -> Path:
+def write_sweep_config(tiny_data: Path, folder: Path, n: int, max_steps: int, sweep_keys: str = "",
+                       tail: str = "") -> Path:
+    """`sweep_keys` go into [sweep]; `tail` (more tables) goes at the end."""
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "sweep.toml"
     grace = 4 * 32 * max_steps // 4  # a quarter of the trial, in tokens
     text = tiny_config_text(tiny_data, folder / "run", max_steps=max_steps).replace(
         "max_steps = 12\n", "").replace("warmup = 2\n", "warmup = 0.1\n")
-    config.write_text(text + SWEEP.format(n=n, grace=grace))
+    config.write_text(text + SWEEP.format(n=n, grace=grace, extra=sweep_keys) + tail)
     return config
 
 
 @pytest.fixture(scope="session")
 def finished_sweep(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real 6-trial sweep (Optuna + ASHA on local Ray), run once through the CLI."""
+    """A real 6-trial sweep (Optuna + ASHA on local Ray), run once through the CLI, then its 2
+    best configs re-run with 2 new seeds each (`confirm_top`), all logged to MLflow (sqlite).
+    Its output is kept in `sweep.log` beside the experiment folder."""
     folder = tmp_path_factory.mktemp("sweep")
-    config = write_sweep_config(tiny_data, folder, n=6, max_steps=24)
+    config = write_sweep_config(tiny_data, folder, n=6, max_steps=24,
+                                sweep_keys="confirm_top = 2\nconfirm_seeds = 2",
+                                tail=f'\n[tracking]\nmlflow_uri = "sqlite:///{folder}/mlflow.db"\n')
     proc = run_cli("sweep", str(config), "--name", "finished", "--storage", str(folder / "sweeps"),
-                   timeout=600)
+                   timeout=900)
+    (folder / "sweep.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "best trial" in proc.stdout and "best.toml" in proc.stdout
     return folder / "sweeps" / "finished"
