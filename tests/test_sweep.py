@@ -73,7 +73,8 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(tiny_data, tmp_
     storage = tmp_path / "sweeps"
     exp_dir = storage / "killed"
     args = [sys.executable, "-m", "experiments", "sweep", str(config), "--name", "killed",
-            "--storage", str(storage), "--set", "sweep.grace_tokens=100000000"]
+            "--storage", str(storage), "--set", "sweep.grace_tokens=100000000",
+            "--set", "train.eval_interval=10"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     driver = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
