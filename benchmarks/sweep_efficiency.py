@@ -8,7 +8,7 @@ training steps (utilization).
 Equal compute means equal training tokens: the grid and random search run `--trials` full trials;
 TPE + ASHA may start more trials (ASHA stops most early) until a Tune Stopper sees the same total
 token count. The task is the quickstart recipe shrunk (2 layers, d 64, seq 64) so that a run of all
-three fits in about half an hour on 2 cores; every trial has the same seed and data, so the
+three fits in about 35 minutes on 2 cores; every trial has the same seed and data, so the
 methods differ only in which configs they try. One run of each method: the ranking between close
 methods is itself noisy.
 
