@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -51,6 +52,19 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert len(lines) == 1, proc.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def committed_step(run_dir: Path) -> int:
+    """The step of the latest checkpoint Ray Train has committed for a run (0 if none yet).
+
+    A `checkpoint_*` folder appears when a worker uploads it, before the controller registers it;
+    only the controller's snapshot says what a restart or a rerun will resume from."""
+    try:
+        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being written
+        return 0
+    latest = snapshot.get("latest_checkpoint_result") or {}
+    return int(latest.get("metrics", {}).get("step", 0))
 
 
 @pytest.fixture(scope="session")
