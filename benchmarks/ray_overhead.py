@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="bare / Ray Train pairs, alternated (default 3)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     one = config(args.data, args.steps, "resources.cpus_per_worker=2")
     ddp_cfg = config(args.data, args.steps, "resources.workers=2", "resources.cpus_per_worker=1",
                      "train.batch_size=8")
@@ -82,14 +84,15 @@ def main() -> None:
               f"threads {on_ray:6.0f} tokens/s MFU {mfu_ray:.1%} | ratio {on_ray / bare:.3f} | "
               f"{overhead:.1f} s outside steps")
     ratios = sorted(on_ray / bare for (bare, _), (on_ray, _, _) in pairs)
-    on_ray = statistics.median(p[1][0] for p in pairs)
+    ray_median = statistics.median(on_ray for _, (on_ray, _, _) in pairs)
+    outside_median = statistics.median(overhead for _, (_, _, overhead) in pairs)
     print(f"  Ray Train / bare loop, median of {len(pairs)}: {statistics.median(ratios):.3f} "
           f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}; aim >= 0.97)")
-    print(f"  Ray Train time outside steps, median: {statistics.median(p[1][2] for p in pairs):.1f} s"
+    print(f"  Ray Train time outside steps, median: {outside_median:.1f} s"
           f" (start-up, {args.steps // 10} evals + checkpoints, shutdown)")
     print(f"  Ray Train DDP, 2 workers x 1 thread   {ddp:9.0f} tokens/s  "
           f"MFU {mfu_ddp:.1%} (per 1-thread worker)  ratio vs 1 x 2 threads (median) "
-          f"{ddp / on_ray:.3f}")
+          f"{ddp / ray_median:.3f}")
 
 
 if __name__ == "__main__":
