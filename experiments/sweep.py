@@ -30,7 +30,7 @@ from experiments.cluster import (
 from experiments.space import Space, apply_overrides, parse_space
 from experiments.train import build_trainer, checked_for_workers, diverged_loss, root_message
 from gptcore.atomic import atomic_file, write_text_atomic
-from gptcore.config import ExperimentConfig, load_config, parse_duration
+from gptcore.config import ExperimentConfig, load_config, parse_duration, run_budget
 from gptcore.errors import UserError
 
 TRIAL_DRIVER_CPU = 0.01  # the Tune trial function only waits on its trainer
@@ -40,11 +40,7 @@ REPORT_COLUMNS = ["tokens", "loss", "val_loss", "val_bpb", "tokens_per_sec"]
 
 def trial_tokens(cfg: ExperimentConfig) -> int:
     """The per-trial budget in tokens (ASHA's max_t)."""
-    per_step = (cfg.train.batch_size * cfg.model.seq_len * cfg.train.grad_accum
-                * cfg.resources.workers)
-    steps = math.ceil(cfg.train.max_tokens / per_step) if cfg.train.max_tokens else \
-        cfg.train.max_steps
-    return steps * per_step
+    return run_budget(cfg, cfg.resources.workers).total_tokens
 
 
 def grace_tokens(cfg: ExperimentConfig) -> int:

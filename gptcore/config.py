@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -228,6 +229,27 @@ class ExperimentConfig:
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long a run is: the one place that turns `[train]` into steps and tokens, used by the
+    trainer, sweeps, `gptrun plan` and the results reader alike."""
+
+    tokens_per_step: int  # batch_size x seq_len x grad_accum x world_size
+    total_steps: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.tokens_per_step * self.total_steps
+
+
+def run_budget(cfg: ExperimentConfig, world_size: int = 1) -> Budget:
+    """`train.max_tokens` (rounded up to whole steps) when set, else `train.max_steps`."""
+    t = cfg.train
+    per_step = t.batch_size * cfg.model.seq_len * t.grad_accum * world_size
+    steps = math.ceil(t.max_tokens / per_step) if t.max_tokens else t.max_steps
+    return Budget(per_step, steps)
 
 
 SECTIONS = [f.name for f in fields(ExperimentConfig) if f.name != "name"]

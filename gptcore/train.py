@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptcore.config import ExperimentConfig, config_from_dict
+from gptcore.config import ExperimentConfig, config_from_dict, run_budget
 from gptcore.data import TokenData
 from gptcore.errors import DivergedError, UserError
 from gptcore.mfu import device_peak_flops, mfu
@@ -85,14 +85,12 @@ class Trainer:
             self.step_model = torch.compile(self.step_model)
         if wrap is not None:
             self.step_model = wrap(self.step_model)
-        t = cfg.train
         self.optimizer = AdamW(param_groups(self.model, cfg.optim.weight_decay,
                                             cfg.optim.decay_embeddings),
                                lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                eps=cfg.optim.eps)
-        self.tokens_per_step = t.batch_size * cfg.model.seq_len * t.grad_accum * world_size
-        self.total_steps = (math.ceil(t.max_tokens / self.tokens_per_step) if t.max_tokens
-                            else t.max_steps)
+        budget = run_budget(cfg, world_size)
+        self.tokens_per_step, self.total_steps = budget.tokens_per_step, budget.total_steps
         self.flops_per_token = self.model.flops_per_token(cfg.model.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(self.device)
         # Progress and guard state: all of it goes into the checkpoint.
