@@ -1,10 +1,17 @@
 """Getting a Ray cluster: start a local one or join `--address`, fail fast with one line when the
-address is dead or the cluster is too small (Ray itself would retry or wait forever)."""
+address is dead, is not a Ray cluster, refuses our token, or is too small (Ray itself would retry
+for tens of seconds or wait forever).
+
+Storage is checked in two steps so that nothing is written before the cluster answers:
+`check_storage` (pure: resolves and validates, creates nothing) before `ray_session`, then
+`create_storage` inside it; on a multi-node cluster `verify_shared_storage` checks that every
+node sees a local path (NFS) before any trial writes there."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import time
 from collections.abc import Iterator
@@ -15,21 +22,38 @@ import pyarrow.fs
 from gptcore.errors import UserError
 
 RESOURCE_WAIT_S = float(os.environ.get("GPTRUN_RESOURCE_WAIT_S", "20"))
+PROBE_TIMEOUT_S = 10.0  # the gRPC probe's own cap (RESOURCE_WAIT_S bounds it further)
+# Cheap, read-only RPCs that every Ray 2.x head serves: the GCS's cluster id, and the Ray Client
+# server's cluster info (for ray:// addresses). The request bodies are empty protobufs.
+GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+CLIENT_PROBE = "/ray.rpc.RayletDriver/ClusterInfo"
+TOKEN_HINT = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> "
+              "(`cluster/local.sh env` prints the line for a local cluster)")
+
+
+def resolve_address(address: str | None) -> str | None:
+    """`--address`, else `$RAY_ADDRESS` (Ray's own convention, which `cluster/local.sh up`
+    prints), else None: start a local instance. Callers that check local resources when the
+    address is None must resolve it first."""
+    return address or os.environ.get("RAY_ADDRESS") or None
 
 
 @contextlib.contextmanager
 def ray_session(address: str | None = None, extra_local_cpus: int = 0) -> Iterator[None]:
     """`ray.init` for the duration of a command; always shut down what we started.
 
-    `extra_local_cpus` adds logical CPUs to a local instance for processes that only wait (the
-    sweep's trial functions, 0.01 CPU each), so that N cores still run N one-CPU trials."""
+    An address (or $RAY_ADDRESS) is probed first, bounded by GPTRUN_RESOURCE_WAIT_S
+    (`check_cluster`). `extra_local_cpus` adds logical CPUs to a local instance for processes
+    that only wait (the sweep's trial functions, 0.01 CPU each), so that N cores still run N
+    one-CPU trials."""
     import ray
 
     if ray.is_initialized():  # a caller (a test, a notebook) already holds a session: share it
         yield
         return
+    address = resolve_address(address)
     if address is not None:
-        _check_reachable(address)
+        address = check_cluster(address)
     os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
     # Ray Train gives a worker group 60 s to start. On a busy machine (or while the previous
     # trial's workers are still shutting down) that is too little, and a timed-out start leaks its
@@ -53,20 +77,121 @@ def ray_session(address: str | None = None, extra_local_cpus: int = 0) -> Iterat
         ray.shutdown()
 
 
-def _check_reachable(address: str) -> None:
-    """A TCP probe with a short timeout: Ray's own connect retries for a minute or more."""
+def check_cluster(address: str, timeout: float | None = None) -> str:
+    """Probe `address` the way `ray.init` will use it, within `timeout` seconds (default: the
+    smaller of GPTRUN_RESOURCE_WAIT_S and 10 s), and return it in the form to pass to
+    `ray.init` ('auto' resolved to host:port).
+
+    Raises a one-line UserError when nothing listens there, when what listens is not a Ray head
+    (an HTTP server, the dashboard port, a raylet), or when the head refuses this client's
+    token. `ray.init` itself retries such addresses for 20-60 s and then says only "Failed to
+    connect"; a non-Ray port can keep it retrying far longer."""
+    timeout = min(PROBE_TIMEOUT_S, RESOURCE_WAIT_S) if timeout is None else timeout
+    deadline = time.monotonic() + max(timeout, 1.0)
     if address == "auto":
-        return  # ray.init(address="auto") fails fast when no local cluster is running
-    hostport = address.removeprefix("ray://")
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        raise UserError(f"--address {address!r} is not 'auto', 'host:port' or 'ray://host:port'")
+        address = _resolve_auto()
+    client = address.startswith("ray://")
+    host, port = _split_address(address)
     try:
-        with socket.create_connection((host, int(port)), timeout=5):
+        with socket.create_connection((host, port), timeout=max(1.0, timeout / 2)):
             pass
     except OSError as err:
         raise UserError(f"nothing answers at --address {address} ({err.strerror or err}); check "
                         "the address or start the cluster with `ray start --head`") from None
+    metadata = _auth_metadata()
+    code, details = _grpc_probe(f"{host}:{port}", CLIENT_PROBE if client else GCS_PROBE, metadata,
+                                max(0.5, deadline - time.monotonic()))
+    if code is None or (client and code not in _NOT_RAY and code != "UNAUTHENTICATED"):
+        return address
+    if code == "UNAUTHENTICATED":
+        why = ("the token sent does not match" if metadata else
+               "no token sent: RAY_AUTH_MODE is not 'token' here")
+        raise UserError(f"the Ray cluster at {address} refused this client ({why}); "
+                        f"{TOKEN_HINT}")
+    if code == "DEADLINE_EXCEEDED":
+        raise UserError(f"the server at --address {address} did not answer a Ray request within "
+                        f"{timeout:g}s (GPTRUN_RESOURCE_WAIT_S); is the head overloaded, or is "
+                        "this not a Ray head?")
+    if code == "UNIMPLEMENTED":
+        kind = "a gRPC service that is not the Ray head (a raylet or another service?)"
+    elif code == "UNAVAILABLE":
+        kind = "not a Ray head (it does not speak gRPC: a web server, or the dashboard port?)"
+    else:
+        kind = f"not a Ray head ({details})"
+    port_hint = ("the Ray Client port (10001 by default)" if client else
+                 "the head's GCS port (`ray start --head --port`, 6379 by default)")
+    raise UserError(f"something answers at --address {address} but it is {kind}; "
+                    f"give {port_hint}")
+
+
+_NOT_RAY = {"UNAVAILABLE", "UNIMPLEMENTED", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN"}
+
+
+def _resolve_auto() -> str:
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    try:
+        # Only a cluster found automatically turns token auth on by itself (as ray.init does).
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    except ImportError:  # a Ray without token authentication
+        pass
+    try:
+        return canonicalize_bootstrap_address_or_die("auto")
+    except ConnectionError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "no cluster found"
+        raise UserError(f"--address auto: {first}") from None
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--address {address!r} is not 'auto', 'host:port' or 'ray://host:port'")
+    return host.strip("[]"), int(port)
+
+
+def _auth_metadata() -> tuple[tuple[str, str], ...]:
+    """The authorization header `ray.init` will send: Ray's own token loader, which honours
+    RAY_AUTH_MODE, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH and ~/.ray/auth_token in Ray's order."""
+    try:
+        from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
+    except ImportError:  # a Ray without token authentication
+        return ()
+    loader = AuthenticationTokenLoader.instance()
+    try:
+        has_token = loader.has_token()
+    except Exception:  # Ray raises AuthenticationError when the mode is token and none is found
+        has_token = False
+    if not has_token and get_authentication_mode() == AuthenticationMode.TOKEN:
+        path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+        where = f"RAY_AUTH_TOKEN_PATH={path} is missing or empty" if path else \
+            "no RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
+        raise UserError(f"RAY_AUTH_MODE=token is set but there is no token ({where}); "
+                        + TOKEN_HINT)
+    if not has_token:
+        return ()
+    return tuple(loader.get_token_for_http_header().items())
+
+
+def _grpc_probe(target: str, method: str, metadata: tuple[tuple[str, str], ...],
+                timeout: float) -> tuple[str | None, str]:
+    """One unary call with an empty request: (None, "") if the server answered it, else the
+    gRPC status code name and its details (first line)."""
+    import grpc
+
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(method, request_serializer=lambda _: b"",
+                                   response_deserializer=lambda raw: raw)
+        try:
+            call(None, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as err:
+            details = (err.details() or "").strip().splitlines()
+            return err.code().name, (details[0] if details else err.code().name)[:200]
+    return None, ""
 
 
 def local_resources(extra_cpus: int = 0) -> tuple[float, float]:
@@ -100,8 +225,10 @@ def require_resources(cpus: float, gpus: float, what: str) -> None:
         time.sleep(1.0)
 
 
-def resolve_storage(storage: str | None, default: str) -> str:
-    """An absolute local path, or a URI (s3://, gs://, ...) that pyarrow.fs understands."""
+def check_storage(storage: str | None, default: str) -> str:
+    """`--storage` (or `default`) as an absolute local path or a URI (s3://, gs://, ...) that
+    pyarrow.fs understands. Pure: creates nothing (call `create_storage` once the cluster has
+    answered), so a bad --address or a too-small cluster leaves no folder behind."""
     storage = storage or default
     if "://" in storage:
         try:
@@ -110,10 +237,81 @@ def resolve_storage(storage: str | None, default: str) -> str:
             raise UserError(f"--storage {storage}: {err}") from None
         return storage
     path = Path(storage).expanduser().resolve()
-    if path.exists() and not path.is_dir():
-        raise UserError(f"--storage {path} is a file; give a folder or a URI")
-    path.mkdir(parents=True, exist_ok=True)
+    for parent in (path, *path.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                what = f"{path} is a file" if parent == path else f"{path}: {parent} is a file"
+                raise UserError(f"--storage {what}; give a folder or a URI")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UserError(f"--storage {path}: {parent} is not writable")
+            break
     return str(path)
+
+
+def create_storage(storage: str) -> None:
+    """Create a local storage folder checked by `check_storage` (URIs need nothing: Ray and
+    pyarrow create their prefixes)."""
+    if is_local(storage):
+        try:
+            Path(storage.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"--storage {storage}: {err.strerror or err}") from None
+
+
+def resolve_storage(storage: str | None, default: str) -> str:
+    """Deprecated name of `check_storage` (it no longer creates the folder)."""
+    return check_storage(storage, default)
+
+
+def verify_shared_storage(storage: str, timeout: float | None = None) -> None:
+    """On a multi-node cluster, check that every alive node sees the local path `storage`
+    (an NFS mount at the same path), by writing a marker here and reading it from a zero-CPU
+    task pinned to each node. One line naming the nodes that do not see it, instead of trials
+    that checkpoint to their own disks and cannot be resumed elsewhere. Needs an initialized
+    Ray session and an existing `storage` folder; URIs and one-node clusters are skipped."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not is_local(storage):
+        return
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) < 2:
+        return
+    timeout = RESOURCE_WAIT_S if timeout is None else timeout
+    folder = Path(storage.removeprefix("file://"))
+    nonce = secrets.token_hex(8)
+    marker = folder / f".gptrun-shared-check-{nonce}"
+    marker.write_text(nonce)
+    try:
+        reader = ray.remote(num_cpus=0, max_retries=0)(_read_marker)
+        refs = {reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    n["NodeID"], soft=False)).remote(str(marker)): n for n in nodes}
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        blind = []
+        for ref in ready:
+            try:
+                seen = ray.get(ref)
+            except Exception:  # the node died meanwhile: the sweep's fault tolerance handles it
+                continue
+            if seen != nonce:
+                blind.append(refs[ref])
+    finally:
+        marker.unlink(missing_ok=True)
+    if blind:
+        names = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in blind)
+        raise UserError(f"--storage {storage} is not shared: node(s) {names} do not see it; use "
+                        "a folder every node mounts at the same path (NFS) or an s3:// / gs:// "
+                        "URI (`gptrun train`)")
+    if pending:
+        print(f"warning: {len(pending)} node(s) did not answer the shared-storage check within "
+              f"{timeout:g}s; not checked")
+
+
+def _read_marker(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
 
 
 def is_local(storage: str) -> bool:
