@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.space import ZERO_SUFFIX
+from experiments.table import print_columns
 from gptcore.errors import UserError
 
 STATUS_ORDER = ("completed", "stopped early", "diverged", "error", "unfinished")
@@ -99,10 +100,7 @@ def print_table(trials: list[dict[str, Any]]) -> None:
         rows.append([str(rank), *(fmt_value(params.get(k, "")) for k in keys),
                      f"{t['tokens']:,.0f}", fmt_value(t["val_loss"]), fmt_value(t["best_val_loss"]),
                      fmt_value(t["val_bpb"]), t["status"], f"{t['wall_s']:.0f}s"])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
-    for row in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    print_columns(header, rows)
     for t in trials:
         if t["reason"]:
             print(f"  {t['trial_id']} {t['status']}: {t['reason']}")
