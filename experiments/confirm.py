@@ -1,16 +1,19 @@
 """`gptrun confirm`: how much of a sweep's spread is seed noise.
 
 A sweep runs every config once, with one seed, so its winner is partly luck: the best of N noisy
-draws. Confirm re-runs the K best trials (completed ones first) with S new seeds (`train.seed + 1 .. + S`, new
-weight init and data order) at full budget, as a Tune experiment in `EXPERIMENT/confirm/` (a grid
-over candidate x seed; killed, it resumes like a sweep), and writes `EXPERIMENT/noise.json`:
+draws. Confirm re-runs the K best trials (completed ones first, see `ranked_trials`) with S new
+seeds (`train.seed + 1 .. + S`, new weight init and data order) at full budget, as a Tune
+experiment in `EXPERIMENT/confirm/` (a grid over candidate x seed; killed, it resumes like a
+sweep), and writes `EXPERIMENT/noise.json`:
 
 - each candidate's losses, mean and std over the new seeds (the sweep's own run is left out: it
   was selected for being low);
 - a Welch two-sample t-test between the best mean and the runner-up, and a verdict at alpha 0.05;
-- the noise fraction: the seed variance (pooled within configs) over the variance of all re-runs
-  (between and within configs, all at full budget). Near 1, the top configs are
-  indistinguishable; near 0, the config matters much more than the seed.
+- the noise fraction: the seed variance (pooled within configs over the re-runs) over the variance
+  of the final losses of the sweep's completed trials, the spread the user saw in its table (all at
+  full budget; trials stopped early or cut by the budget are left out, their losses are at fewer
+  tokens). Near 1, the sweep's differences are mostly seed noise; near 0, the config matters much
+  more than the seed. The t-test answers the narrower question about the top two.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from experiments.cluster import ray_session
 from experiments.results import fmt_value, load_trials, short_params
 from experiments.space import parse_space
 from experiments.sweep import build_tuner, start_experiment
+from experiments.table import print_columns
 from gptcore.atomic import write_text_atomic
 from gptcore.config import ExperimentConfig, load_config
 from gptcore.errors import UserError
@@ -134,7 +138,9 @@ def _can_restore(conf_dir: Path, plan: dict[str, Any], restart: bool) -> bool:
 
 def measure_noise(sweep_trials: list[dict[str, Any]], confirm_trials: list[dict[str, Any]],
                   plan: dict[str, Any]) -> dict[str, Any]:
-    """Per-candidate mean +- std over the new seeds, best vs runner-up, and the noise fraction."""
+    """Per-candidate mean +- std over its completed re-runs, best vs runner-up, and the noise
+    fraction: pooled seed variance (each config's variance weighted by its n - 1) over the
+    variance of the sweep's completed trials' final losses."""
     by_id = {t["trial_id"]: t for t in sweep_trials}
     rows = []
     for tid in plan["candidates"]:
@@ -150,12 +156,15 @@ def measure_noise(sweep_trials: list[dict[str, Any]], confirm_trials: list[dict[
         })
     rows.sort(key=lambda r: (math.isnan(r["mean"]), r["mean"]))
     measured = [r for r in rows if len(r["losses"]) >= 2]
-    seed_var = statistics.fmean(r["std"] ** 2 for r in measured) if measured else math.nan
-    every = [x for r in measured for x in r["losses"]]
-    spread_var = statistics.variance(every) if len(measured) >= 2 else math.nan
+    dof = sum(len(r["losses"]) - 1 for r in measured)
+    seed_var = sum((len(r["losses"]) - 1) * r["std"] ** 2 for r in measured) / dof if dof \
+        else math.nan
+    finals = [t["val_loss"] for t in sweep_trials
+              if t["status"] == "completed" and math.isfinite(t["val_loss"])]
+    sweep_var = statistics.variance(finals) if len(finals) >= 2 else math.nan
     return {"alpha": ALPHA, "candidates": rows, "seed_std": math.sqrt(seed_var),
-            "spread_std": math.sqrt(spread_var),
-            "noise_fraction": seed_var / spread_var if spread_var > 0 else math.nan,
+            "sweep_std": math.sqrt(sweep_var), "sweep_completed": len(finals),
+            "noise_fraction": seed_var / sweep_var if sweep_var > 0 else math.nan,
             "comparison": compare(measured)}
 
 
@@ -187,17 +196,25 @@ def verdict(noise: dict[str, Any]) -> str:
     return f"{head} >= {noise['alpha']}: the difference is within seed noise"
 
 
+def noise_line(noise: dict[str, Any]) -> str:
+    """One sentence: the seed noise and its share of the sweep's spread (terminal and report)."""
+    if math.isnan(noise["seed_std"]):
+        return "seed noise: not measured (no config has two completed re-runs)"
+    head = f"seed noise: std {noise['seed_std']:.4f} nats (pooled over the re-runs)"
+    if math.isnan(noise["noise_fraction"]):
+        return (f"{head}; not compared with the sweep: its {noise['sweep_completed']} completed "
+                "trial(s) show no spread")
+    return (f"{head}, {noise['noise_fraction']:.0%} of the variance between the sweep's "
+            f"{noise['sweep_completed']} completed trials (std {noise['sweep_std']:.4f}): "
+            "near 100% their differences are mostly noise")
+
+
 def print_noise(noise: dict[str, Any]) -> None:
+    """The re-runs as a table (best mean first), the verdict and the noise line."""
     keys = sorted({k for r in noise["candidates"] for k in r["params"]})
     header = ["#", "trial", *keys, "sweep loss", "mean", "std", "runs"]
-    rows = [[str(i), r["trial_id"], *(fmt_value(r['params'].get(k, '')) for k in keys),
-             f"{r['sweep_val_loss']:.4f}", f"{r['mean']:.4f}", f"{r['std']:.4f}",
-             str(len(r["losses"]))] for i, r in enumerate(noise["candidates"], 1)]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
-    for row in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    print_columns(header, [[str(i), r["trial_id"], *(fmt_value(r["params"].get(k, "")) for k in keys),
+                            f"{r['sweep_val_loss']:.4f}", f"{r['mean']:.4f}", f"{r['std']:.4f}",
+                            str(len(r["losses"]))] for i, r in enumerate(noise["candidates"], 1)])
     print(verdict(noise))
-    print(f"seed noise: std {noise['seed_std']:.4f} nats; seed variance is "
-          f"{noise['noise_fraction']:.0%} of the variance among these re-runs "
-          f"(std {noise['spread_std']:.4f})")
+    print(noise_line(noise))
