@@ -1,21 +1,73 @@
-"""`gptrun report` on a real finished sweep, an interrupted copy of it, and a folder that is not one."""
+"""`gptrun report`: its tables and page on made-up trials (fast, no Ray), then the command on a
+real finished sweep, an interrupted copy of it, and a folder that is not one."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
+import pytest
 from matplotlib.image import imread
 
-from gptcore.config import load_config
+from experiments.config import load_experiment
+from experiments.report.data import best_trial, trial_rows
+from experiments.report.page import html_page
+from experiments.results import print_table
+from experiments.table import print_columns
 from tests.conftest import assert_user_error, run_cli
 
 PNGS = ("curves.png", "lr.png", "warmup.png", "parallel.png")
 FILES = ("trials.parquet", "trials.csv", "curves.parquet", "report.html", "best.toml", *PNGS)
 COLUMNS = ["rank", "trial_id", "lr", "weight_decay", "warmup", "tokens", "val_loss",
-           "best_val_loss", "val_bpb", "status", "wall_s", "checkpoint", "reason"]
+           "best_val_loss", "val_bpb", "status", "wall_s", "startup_s", "winddown_s", "node_id",
+           "checkpoint", "reason"]
+NODE = "c108cccc9fc72185316a274a500aa6064a760baea79e11bcc26a8289"
+
+
+def _trial(tid: str, status: str, loss: float, **extra: Any) -> dict[str, Any]:
+    return {"trial_id": tid, "status": status, "val_loss": loss, "best_val_loss": loss,
+            "val_bpb": loss / 2, "tokens": 3072.0, "wall_s": 3.9, "startup_s": 2.5,
+            "winddown_s": math.nan, "node_id": NODE, "checkpoint": "", "reason": "",
+            "config": {"optim.lr": 3e-3, "optim.weight_decay": 0.1, "optim.warmup": 0.1}, **extra}
+
+
+def test_print_columns_right_aligns_each_column(capsys: pytest.CaptureFixture[str]) -> None:
+    print_columns(["#", "name", "loss"], [["1", "a", "5.1"], ["10", "bbbbbb", "-"]])
+    print_columns(["#", "name"], [])
+    assert capsys.readouterr().out.splitlines() == [
+        " #    name  loss",
+        " 1       a   5.1",
+        "10  bbbbbb     -",
+        "#  name"]
+
+
+def test_terminal_table(capsys: pytest.CaptureFixture[str]) -> None:
+    print_table([_trial("t1", "completed", 3.75726), _trial("t2", "cut by budget", 4.0, node_id="",
+                                                             tokens=12345.0, reason="time budget")])
+    assert capsys.readouterr().out.splitlines() == [
+        "#     lr  warmup  weight_decay  tokens  val_loss   best    bpb         status  wall      node",
+        "1  0.003     0.1           0.1   3,072     3.757  3.757  1.879      completed    4s  c108cccc",
+        "2  0.003     0.1           0.1  12,345         4      4      2  cut by budget    4s         -",
+        "  t2 cut by budget: time budget"]
+
+
+def test_rows_best_and_page_from_made_up_trials(tmp_path: Path) -> None:
+    trials = [_trial("run", "unfinished", 3.0), _trial("ok", "cut by budget", 3.5),
+              _trial("bad", "diverged", math.nan)]
+    rows = trial_rows(trials)
+    assert list(rows[0]) == COLUMNS
+    assert rows[1]["node_id"] == NODE and rows[1]["startup_s"] == 2.5  # full id in the files
+    assert best_trial(trials)["trial_id"] == "ok"  # unfinished and diverged trials never win
+    assert best_trial(trials[:1]) is None
+
+    page = html_page(tmp_path / "sweep", trials, rows, best_trial(trials), None, "")
+    assert "<td>c108cccc</td>" in page and NODE not in page  # 8 characters in the page
+    assert "<td>2.5</td><td>-</td>" in page  # start-up, then an unknown wind-down
+    assert "<tr class='cut-by-budget'>" in page and "Best trial <b>ok</b>" in page
 
 
 def _trial_dirs(exp_dir: Path) -> list[Path]:
@@ -39,20 +91,24 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
     assert table.num_rows == len(_trial_dirs(finished_sweep)) == 6
     rows = table.to_pylist()
     assert [r["rank"] for r in rows] == list(range(1, 7))
+    assert all(len(r["node_id"]) > 8 for r in rows)  # the full Ray node id
+    assert all(math.isfinite(r["startup_s"]) and r["startup_s"] >= 0 for r in rows
+               if r["status"] == "completed")
     assert (out / "trials.csv").read_text().count("\n") == 7
     assert pq.read_table(out / "curves.parquet").num_rows >= 6
 
-    best = next(r for r in rows if r["status"] in ("completed", "stopped early"))
-    cfg = load_config(out / "best.toml")
+    best = next(r for r in rows if r["status"] in ("completed", "stopped early", "cut by budget"))
+    cfg = load_experiment(out / "best.toml")
     assert cfg.optim.lr == best["lr"] and cfg.optim.weight_decay == best["weight_decay"]
     assert cfg.optim.warmup == best["warmup"]
     assert cfg.train.out == "runs/finished-best"
-    assert cfg.train.max_steps == load_config(finished_sweep / "gptrun.toml").train.max_steps
+    assert cfg.train.max_steps == load_experiment(finished_sweep / "gptrun.toml").train.max_steps
 
     page = (out / "report.html").read_text()
     for name in (*PNGS, "importance.png"):
         assert f"src='{name}'" in page
     assert best["trial_id"] in page and "checkpoint" in page
+    assert f"<td>{rows[0]['node_id'][:8]}</td>" in page and rows[0]["node_id"] not in page
     assert "ran with the baseline config" in page and "<table>" in page
 
 

@@ -1,0 +1,53 @@
+"""`gptrun report`: a sweep as a terminal table, parquet/CSV files, PNG plots, one static
+report.html and best.toml. It reads files only (no Ray cluster, no server), so it works on a
+running or interrupted sweep too. `data` builds the rows and writes the tables, `plots` draws the
+figures, `page` writes the HTML; `report_cli` runs them in that order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from experiments.config import load_experiment
+from experiments.confirm import print_noise
+from experiments.report.data import best_trial, read_noise, trial_rows, write, write_tables
+from experiments.report.page import baseline_note, html_page, noise_html
+from experiments.report.plots import draw_importance, draw_noise, draw_sweep, figure_factory
+from experiments.results import best_config, load_curves, load_trials, print_table
+from experiments.space import parse_space
+
+
+def report_cli(experiment_dir: str, out: str | None) -> int:
+    """Print the table, write every report file into `out` (default EXPERIMENT_DIR/report)."""
+    exp_dir = Path(experiment_dir)
+    trials = load_trials(exp_dir)  # UserError for a folder that is not a sweep
+    figure = figure_factory()  # UserError without matplotlib, before anything is written
+    cfg = load_experiment(exp_dir / "gptrun.toml")
+    space = parse_space(cfg)
+    out_dir = Path(out) if out else exp_dir / "report"
+    print_table(trials)
+
+    rows = trial_rows(trials)
+    curves = load_curves(exp_dir)
+    write_tables(rows, curves, out_dir)
+    best = best_trial(trials)
+    if best is not None:
+        best_cfg = best_config(cfg, space, best, exp_dir.name)
+        write(out_dir / "best.toml", lambda tmp: tmp.write_text(best_cfg.to_toml()))
+        print(f"best trial {best['trial_id']}: val loss {best['val_loss']:.4f} | config "
+              f"{out_dir / 'best.toml'} | checkpoint {best['checkpoint'] or '-'}")
+    else:
+        (out_dir / "best.toml").unlink(missing_ok=True)
+        print("no trial has finished without error yet; no best.toml written")
+
+    draw_sweep(figure, trials, curves, space, best["trial_id"] if best else None, out_dir)
+    importance_note = draw_importance(figure, exp_dir, cfg, out_dir)
+    noise = read_noise(exp_dir)
+    (out_dir / "noise.png").unlink(missing_ok=True)  # never leave a stale one behind
+    if noise is not None:
+        print_noise(noise)
+        draw_noise(figure, noise, out_dir)
+    section = baseline_note(cfg, space, trials) + noise_html(noise, exp_dir)
+    page = html_page(exp_dir, trials, rows, best, importance_note, section)
+    write(out_dir / "report.html", lambda tmp: tmp.write_text(page, encoding="utf-8"))
+    print(f"report: {(out_dir / 'report.html').resolve()}")
+    return 0
