@@ -1,0 +1,409 @@
+"""Joining a Ray cluster: `--address` that fails fast with one line, storage that is not created
+before the cluster answers, and (slow) a real 2-node cluster started by `cluster/local.sh` with
+token auth: refusal without the token, a sweep over both nodes, a lost worker node, a lost
+driver resumed, and `down` leaving no process.
+
+The slow module shares one cluster (head + 1 worker node, 2 CPUs each) for all its tests."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from experiments import cluster
+from gptcore.errors import UserError
+from tests.conftest import REPO, assert_user_error, tiny_config_text, write_sweep_config
+
+LOCAL_SH = REPO / "cluster" / "local.sh"
+WAIT_S = 20.0  # GPTRUN_RESOURCE_WAIT_S given to the CLI in these tests (the default)
+NO_AUTH = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def web_server() -> Iterator[int]:
+    """A plain HTTP server on a free loopback port: something listens, but not Ray."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a client that has no Ray token at all (no env, no ~/.ray)."""
+    env = {k: v for k, v in os.environ.items() if k not in NO_AUTH}
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {**env, "HOME": str(home), "GPTRUN_RESOURCE_WAIT_S": f"{WAIT_S:g}", **extra}
+
+
+def run_clean(args: list[str], env: dict[str, str], timeout: float = 120
+              ) -> tuple[subprocess.CompletedProcess, float]:
+    """`run_cli` with exactly `env` (run_cli merges os.environ in, which may hold a token)."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "experiments", *args], cwd=REPO, env={
+        **env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+# ------------------------------------------------------------------ fast: no cluster needed
+
+
+def test_train_against_a_web_server_is_one_line_within_the_wait(tiny_data, tmp_path):
+    config = tmp_path / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    storage = tmp_path / "deep" / "storage"
+    with web_server() as port:
+        proc, took = run_clean(["train", str(config), "--address", f"127.0.0.1:{port}",
+                                "--storage", str(storage)], clean_env(tmp_path))
+    assert_user_error(proc, f"127.0.0.1:{port}", "not a Ray head")
+    assert took < WAIT_S, took
+    assert not storage.exists() and not storage.parent.exists()
+
+
+def test_sweep_against_nothing_is_one_line_and_creates_nothing(tiny_data, tmp_path):
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
+    storage = tmp_path / "sweeps"
+    port = free_port()
+    proc, took = run_clean(["sweep", str(config), "--address", f"127.0.0.1:{port}",
+                            "--storage", str(storage)], clean_env(tmp_path))
+    assert_user_error(proc, f"nothing answers at --address 127.0.0.1:{port}")
+    assert took < WAIT_S, took
+    assert not storage.exists()
+
+
+def test_sweep_against_a_web_server_is_one_line(tiny_data, tmp_path):
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
+    storage = tmp_path / "sweeps"
+    with web_server() as port:
+        proc, took = run_clean(["sweep", str(config), "--address", f"127.0.0.1:{port}",
+                                "--storage", str(storage)], clean_env(tmp_path))
+    assert_user_error(proc, "not a Ray head")
+    assert took < WAIT_S, took
+    assert not storage.exists()
+
+
+@pytest.mark.parametrize("prefix", ["", "ray://"])
+def test_probe_of_a_web_server_is_bounded(prefix):
+    """What resume and confirm call (`ray_session(address)`), for GCS and Ray Client addresses:
+    `ray.init` alone keeps retrying a non-Ray port; the probe answers in about a second."""
+    with web_server() as port:
+        start = time.monotonic()
+        with pytest.raises(UserError, match="not a Ray head"), \
+                cluster.ray_session(f"{prefix}127.0.0.1:{port}"):
+            pytest.fail("the session must not start")
+        assert time.monotonic() - start < 10
+
+
+def test_probe_of_a_raylet_like_grpc_service_says_it_is_not_the_head():
+    """A gRPC server that lacks the GCS's method (here: a bare grpcio server) is named as such."""
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(UserError, match="gRPC service that is not the Ray head"):
+            cluster.check_cluster(f"127.0.0.1:{port}", timeout=5)
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.parametrize("address", ["localhost", "host:port", "ray://nohost", ":6379"])
+def test_malformed_addresses_are_one_line(address):
+    with pytest.raises(UserError, match="is not 'auto', 'host:port' or 'ray://host:port'"):
+        cluster.check_cluster(address)
+
+
+def test_ray_address_env_is_the_default_address(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert cluster.resolve_address(None) == "10.0.0.1:6379"
+    assert cluster.resolve_address("127.0.0.1:7000") == "127.0.0.1:7000"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert cluster.resolve_address(None) is None
+
+
+def test_check_storage_creates_nothing_and_create_storage_does(tmp_path):
+    target = tmp_path / "a" / "b"
+    resolved = cluster.check_storage(str(target), "unused")
+    assert resolved == str(target) and not (tmp_path / "a").exists()
+    cluster.create_storage(resolved)
+    assert target.is_dir()
+    assert cluster.check_storage(None, str(target)) == str(target)
+    uri = f"file://{tmp_path}/uri/x"
+    assert cluster.check_storage(uri, "x") == uri and not (tmp_path / "uri").exists()
+
+
+def test_check_storage_rejects_files_on_the_way(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match="is a file; give a folder or a URI"):
+        cluster.check_storage(str(blocker), "x")
+    with pytest.raises(UserError, match=f"{blocker} is a file"):
+        cluster.check_storage(str(blocker / "sub" / "dir"), "x")
+    with pytest.raises(UserError, match="--storage nope://x"):
+        cluster.check_storage("nope://x", "x")
+
+
+# ------------------------------------------------------------------ slow: a real 2-node cluster
+
+
+def load_local_module() -> Any:
+    """cluster/local.py as a module (it is a script, not a package), for its /proc helpers."""
+    spec = importlib.util.spec_from_file_location("gptrun_cluster_local", REPO / "cluster" / "local.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def local_sh(*args: str, state: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in NO_AUTH}
+    # Node loss noticed in ~3 s instead of ~15-30 s (GCS health checks every 1 s, 3 misses).
+    env.update(GPTRUN_PYTHON=sys.executable, RAY_health_check_period_ms="1000",
+               RAY_health_check_failure_threshold="3", RAY_health_check_initial_delay_ms="1000")
+    return subprocess.run([str(LOCAL_SH), *args, "--dir", str(state)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+class LocalCluster:
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = state_dir
+        self.local = load_local_module()
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return json.loads((self.dir / "state.json").read_text())
+
+    @property
+    def address(self) -> str:
+        return self.state["address"]
+
+    def node(self, name: str) -> dict[str, Any]:
+        return next(n for n in self.state["nodes"] if n["name"] == name)
+
+    def client_env(self, tmp_path: Path, **extra: str) -> dict[str, str]:
+        return clean_env(tmp_path, RAY_AUTH_MODE="token",
+                         RAY_AUTH_TOKEN_PATH=self.state["token_path"], **extra)
+
+    def pids(self, nodes: list[dict[str, Any]] | None = None) -> list[int]:
+        return [p for n in (nodes or self.state["nodes"]) for p in self.local.session_pids(n)]
+
+    def kill_everything(self, nodes: list[dict[str, Any]]) -> None:
+        """Teardown of last resort, by recorded session only."""
+        for node in nodes:
+            self.local.signal_all(self.local.session_pids(node), signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    state = tmp_path_factory.mktemp("cluster") / "state"
+    proc = local_sh("up", "--nodes", "1", "--cpus-per-node", "2", state=state)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lc = LocalCluster(state)
+    assert f"export RAY_ADDRESS={lc.address} RAY_AUTH_MODE=token" in proc.stdout
+    assert f"--address {lc.address}" in proc.stdout
+    seen: list[dict[str, Any]] = list(lc.state["nodes"])
+    try:
+        yield lc
+    finally:
+        if (state / "state.json").exists():
+            seen += lc.state["nodes"]
+            local_sh("down", "--grace", "10", state=state)
+        lc.kill_everything(seen)
+
+
+def exp_trials(exp_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every report of every trial, from the trials' result.json files."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(exp_dir.glob("*/result.json")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if rows:
+            out[rows[0]["trial_id"]] = rows
+    return out
+
+
+def tune_statuses(exp_dir: Path) -> dict[str, str]:
+    from ray.tune import ExperimentAnalysis
+
+    return {t.trial_id: t.status for t in ExperimentAnalysis(str(exp_dir)).trials}
+
+
+def sweep_args(config: Path, name: str, storage: Path, address: str, *sets: str, cpus: int = 1
+               ) -> list[str]:
+    # `cpus`-CPU trials, a checkpoint every 8 steps (the Tune reports carry them).
+    args = ["sweep", str(config), "--name", name, "--storage", str(storage), "--address", address]
+    for item in (f"resources.cpus_per_worker={cpus}", "train.eval_interval=8",
+                 "train.checkpoint_interval=8", *sets):
+        args += ["--set", item]
+    return args
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"sweep exited ({proc.returncode}) before {what}:\n{out[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def start_sweep(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    handle = open(log, "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen([sys.executable, "-m", "experiments", *args], cwd=REPO,
+                            env={**env, "PYTHONPATH": str(REPO)}, stdout=handle,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("token", ["none", "wrong"])
+def test_client_without_the_token_is_refused(two_nodes, tiny_data, tmp_path, token):
+    config = tmp_path / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    env = clean_env(tmp_path) if token == "none" else clean_env(
+        tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)
+    storage = tmp_path / "storage"
+    proc, took = run_clean(["train", str(config), "--address", two_nodes.address,
+                            "--storage", str(storage)], env)
+    assert_user_error(proc, f"the Ray cluster at {two_nodes.address} refused this client")
+    assert took < WAIT_S and not storage.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_status_lists_both_nodes_alive(two_nodes):
+    proc = local_sh("status", state=two_nodes.dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "alive: 2 node(s), 4 CPUs" in proc.stdout
+    for node in two_nodes.state["nodes"]:
+        assert node["node_id"] in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_sweep_runs_trials_on_both_nodes(two_nodes, tiny_data, tmp_path):
+    """Trials of 2 CPUs on 2-CPU nodes: the two that run at once cannot share a node."""
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=48)
+    storage = tmp_path / "sweeps"
+    proc, _ = run_clean(sweep_args(config, "both", storage, two_nodes.address, cpus=2),
+                        two_nodes.client_env(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 trials, 2 at a time" in proc.stdout, proc.stdout[:2000]
+    trials = exp_trials(storage / "both")
+    assert len(trials) == 4
+    nodes = {rows[-1].get("node_id") for rows in trials.values()}
+    ids = {n["node_id"] for n in two_nodes.state["nodes"]}
+    assert nodes == ids, (nodes, ids)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_lost_worker_node_trials_resume_from_their_checkpoints(two_nodes, tiny_data, tmp_path):
+    steps = 400
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=steps)
+    storage = tmp_path / "sweeps"
+    exp = storage / "lost"
+    worker = two_nodes.node("worker1")["node_id"]
+    no_cut = f"sweep.grace_tokens={steps * 4 * 32}"  # ASHA's first rung at the end: all run long
+
+    def checkpointed_on_worker() -> bool:
+        return any(r.get("node_id") == worker and r.get("step", 0) >= 16
+                   for rows in exp_trials(exp).values() for r in rows) if exp.exists() else False
+
+    proc = start_sweep(sweep_args(config, "lost", storage, two_nodes.address, no_cut),
+                       two_nodes.client_env(tmp_path), tmp_path / "sweep.log")
+    try:
+        wait_for(checkpointed_on_worker, 150, "a checkpointed report from worker1", proc)
+        killed = local_sh("kill-node", "worker1", state=two_nodes.dir)
+        assert killed.returncode == 0, killed.stderr
+        # The trials the dead node was running: their last report came from it, before the end.
+        on_worker = {tid for tid, rows in exp_trials(exp).items()
+                     if rows[-1].get("node_id") == worker and rows[-1].get("step", 0) < steps}
+        assert proc.wait(timeout=240) == 0, (tmp_path / "sweep.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        restarted = local_sh("start-node", "worker1", state=two_nodes.dir)
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    trials = exp_trials(exp)
+    statuses = tune_statuses(exp)
+    assert len(trials) == 4 and set(statuses) == set(trials)  # none lost, none duplicated
+    assert set(statuses.values()) == {"TERMINATED"}, statuses
+    assert on_worker, "worker1 had finished its trials before it was killed: nothing tested"
+    for tid in on_worker:
+        rows = trials[tid]
+        reported = [r["step"] for r in rows if "step" in r]
+        assert reported[-1] == steps and len(reported) == len(set(reported)), (tid, reported)
+        assert any(r.get("resumed_from", 0) > 0 for r in rows), (tid, rows[-1])
+        assert rows[-1]["node_id"] != worker  # finished elsewhere (the worker node was dead)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_killed_driver_is_resumed_on_the_cluster(two_nodes, tiny_data, tmp_path):
+    steps = 200
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=3, max_steps=steps)
+    storage = tmp_path / "sweeps"
+    exp = storage / "driver"
+    env = two_nodes.client_env(tmp_path)
+    proc = start_sweep(sweep_args(config, "driver", storage, two_nodes.address,
+                                  f"sweep.grace_tokens={steps * 4 * 32}"), env,
+                       tmp_path / "sweep.log")
+    try:
+        wait_for(lambda: exp.exists() and any(
+            r.get("step", 0) >= 16 for rows in exp_trials(exp).values() for r in rows),
+            150, "a checkpointed report", proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver (and only it: it is its own session)
+        proc.wait()
+    resumed, _ = run_clean(["resume", str(exp), "--address", two_nodes.address], env, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    statuses = tune_statuses(exp)
+    assert len(statuses) == 3 and set(statuses.values()) == {"TERMINATED"}, statuses
+    trials = exp_trials(exp)
+    assert all(rows[-1]["step"] == steps for rows in trials.values()), {
+        t: rows[-1].get("step") for t, rows in trials.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_down_leaves_no_process(two_nodes):
+    """Last in the module: stops the shared cluster."""
+    nodes = two_nodes.state["nodes"]
+    assert two_nodes.pids(nodes)
+    proc = local_sh("down", state=two_nodes.dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no process left" in proc.stdout
+    assert two_nodes.pids(nodes) == []
+    for node in nodes:  # the recorded leaders are gone, not just their sessions
+        assert two_nodes.local.proc_stat(node["pid"]) is None
+    assert not Path(two_nodes.dir / "state.json").exists()
+    assert local_sh("status", state=two_nodes.dir).returncode == 1
