@@ -2,8 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU torch wheel first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# torch is installed first, pinned, when the venv has none. On a stock PyPI index torch for Linux
+# is the multi-GB CUDA build: TORCH_INDEX (pip's --index-url, for the torch install only) picks
+# another index, e.g. `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu` for the CPU
+# build. Empty by default: pip's configured index is used.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: install demo test lint bench clean
 
@@ -12,7 +16,8 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q \
+		$(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 

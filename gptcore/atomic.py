@@ -1,4 +1,9 @@
-"""Write files and folders so that they appear whole or not at all (temp path, then rename)."""
+"""Write files and folders so that they appear whole or not at all (temp path, then rename).
+
+A rename alone is atomic but not durable: after a power cut the new name can point at a file
+whose data never reached the disk. So the temp file (or every file of a temp folder) is fsynced
+before the rename, and the parent folder after it, which makes the rename itself persistent.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from gptcore.errors import UserError
+
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path beside `path`; on success rename it onto `path`, on error remove it."""
+    """Yield a temp path beside `path`; on success fsync it, rename it onto `path` and fsync the
+    folder; on error remove it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -20,19 +28,23 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp folder beside `path`; on success it replaces `path`, on error it is removed."""
+    """Yield a temp folder beside `path`; on success its contents are fsynced and it replaces
+    `path` (then the parent folder is fsynced); on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        fsync_tree(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -41,10 +53,49 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+        fsync_path(path.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's data and metadata to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under `root` (folders after their contents), then `root`."""
+    for folder, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(Path(folder, name))
+        fsync_path(Path(folder))
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     with atomic_file(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def check_writable_dir(path: str | os.PathLike, name: str) -> None:
+    """Refuse, in one line and before any work, a folder path that cannot be written: an
+    existing file, a path under a file, a read-only filesystem or a folder without permission.
+
+    It probes with a temp folder in `path` or its nearest existing ancestor, so that it creates
+    nothing (not even the missing parents) and a run that fails later leaves no trace."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{name} {path} is an existing file; give a folder path")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{name} {path}: {existing} is a file, not a folder; give another {name}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gptrun-probe-", dir=existing))
+    except OSError as err:
+        raise UserError(f"{name} {path} is not writable ({err.strerror} in {existing}); give a "
+                        "folder on a writable filesystem") from None

@@ -2,52 +2,41 @@
 
 Contents: fp32 model weights, optimizer state, step and data position, tokens seen, guard state,
 RNG states, the full config and the tokenizer hash. Everything is a tensor or a plain Python value
-so that `torch.load(weights_only=True)` can read it. A sha256 over the model and optimizer tensors
-catches silent corruption; a truncated file fails to unzip and is reported as such.
+so that `torch.load(weights_only=True)` can read it.
+
+Layout: the `torch.save` payload, then a 48-byte trailer (a magic tag and the sha256 of every
+payload byte). The digest covers the metadata (step, data position, RNG, config) as well as the
+tensors, so any changed, missing or extra byte is reported as a damaged checkpoint before
+anything is unpickled.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from gptcore.atomic import atomic_file
 from gptcore.errors import UserError
 
-FORMAT = "gptrun-checkpoint-v1"
+FORMAT = "gptrun-checkpoint-v2"
 CHECKPOINT_FILE = "checkpoint.pt"  # the file name inside a checkpoint folder (Ray Train)
-
-
-def tensors_sha256(state: dict[str, Any]) -> str:
-    """A digest over every tensor in the model and optimizer state, in a fixed order."""
-    digest = hashlib.sha256()
-
-    def visit(prefix: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            digest.update(prefix.encode())
-            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        elif isinstance(value, dict):
-            for key in sorted(value, key=str):
-                visit(f"{prefix}/{key}", value[key])
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                visit(f"{prefix}/{i}", item)
-
-    visit("model", state["model"])
-    visit("optimizer", state["optimizer"])
-    return digest.hexdigest()
+TRAILER_MAGIC = b"gptrun-sha256-v2"
+TRAILER_BYTES = len(TRAILER_MAGIC) + hashlib.sha256().digest_size
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write `state` atomically (temp file + rename) with its format tag and checksum."""
+    """Write `state` atomically and durably (temp file, fsync, rename) with its checksum trailer."""
     path = Path(path)
-    payload = {**state, "format": FORMAT, "sha256": tensors_sha256(state)}
     with atomic_file(path) as tmp:
-        torch.save(payload, tmp)
+        torch.save({**state, "format": FORMAT}, tmp)
+        digest = _sha256(tmp, tmp.stat().st_size)
+        with open(tmp, "ab") as f:
+            f.write(TRAILER_MAGIC + digest)
     return path
 
 
@@ -62,16 +51,77 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str = "cpu") -> dict[str, Any]:
-    """Load and verify a checkpoint; any damage is a `UserError` that names the file."""
+    """Verify, then load a checkpoint; any damage is a one-line `UserError` that names the file."""
     path = resolve_checkpoint_path(path)
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # torch raises several types for truncated or foreign files
-        raise UserError(f"checkpoint {path} is corrupt or truncated ({type(err).__name__}); "
-                        "use an earlier checkpoint or retrain") from None
+    size = _verified_payload_size(path)
+    with open(path, "rb") as f:
+        try:
+            state = torch.load(io.BufferedReader(_Prefix(f, size)), map_location=map_location,
+                               weights_only=True)
+        except Exception as err:  # torch raises several types for payloads it cannot read
+            raise _damaged(path, f"unreadable payload ({type(err).__name__})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UserError(f"{path} is not a gptrun checkpoint (format tag missing)")
-    if tensors_sha256(state) != state.get("sha256"):
-        raise UserError(f"checkpoint {path} failed its checksum (the file is damaged); "
-                        "use an earlier checkpoint or retrain")
+        raise _damaged(path, f"no {FORMAT} tag in the payload")
     return state
+
+
+def _verified_payload_size(path: Path) -> int:
+    """The payload's length, once its trailer is present and its digest matches."""
+    size = path.stat().st_size - TRAILER_BYTES
+    if size <= 0:
+        raise _damaged(path, "too short to hold a checkpoint")
+    with open(path, "rb") as f:
+        f.seek(size)
+        trailer = f.read()
+    if not trailer.startswith(TRAILER_MAGIC):
+        raise _damaged(path, "no checksum trailer (truncated, or not written by this gptrun)")
+    if _sha256(path, size) != trailer[len(TRAILER_MAGIC):]:
+        raise _damaged(path, "sha256 mismatch")
+    return size
+
+
+def _sha256(path: Path, size: int) -> bytes:
+    """sha256 of the first `size` bytes of a file, read in chunks (checkpoints can be GBs)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while size > 0:
+            chunk = f.read(min(size, 1 << 20))
+            if not chunk:
+                break
+            digest.update(chunk)
+            size -= len(chunk)
+    return digest.digest()
+
+
+def _damaged(path: Path, reason: str) -> UserError:
+    return UserError(f"damaged checkpoint {path}: {reason}; use an earlier checkpoint or retrain")
+
+
+class _Prefix(io.RawIOBase):
+    """A read-only view of a file's first `size` bytes: torch.load reads exactly the verified
+    payload, streamed from disk rather than from a second copy of the checkpoint in memory."""
+
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        super().__init__()
+        self.f, self.size, self.pos = f, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(base + offset, 0)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(min(len(buffer), self.size - self.pos), 0)
+        self.f.seek(self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n]) or 0
+        self.pos += got
+        return got

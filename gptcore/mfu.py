@@ -11,7 +11,6 @@ the figure (and inflate every later MFU): delete the cache file to measure again
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from gptcore.atomic import atomic_file
+from gptcore.data import cache_dir
 
 # Dense bf16 tensor-core peak FLOP/s by a substring of torch.cuda.get_device_name(), matched
 # case-insensitively, longest key first (so "H100 PCIE" wins over "H100", "A100" over "A10").
@@ -78,16 +78,6 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops: float) -> flo
     if peak_flops <= 0:
         return 0.0
     return tokens_per_sec * flops_per_token / peak_flops
-
-
-def cache_dir() -> Path:
-    """gptrun's cache folder: $GPTRUN_CACHE_DIR, else the platform's user cache dir."""
-    override = os.environ.get("GPTRUN_CACHE_DIR")
-    if override:
-        return Path(override)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("gptrun"))
 
 
 def _cpu_name() -> str:

@@ -242,15 +242,16 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-                 use_cache: bool = True, eos_id: int | None = None) -> Tensor:
+                 use_cache: bool = True, stop_token: int | None = None) -> Tensor:
         """Extend `idx` (B, T) by up to `max_new_tokens` sampled tokens; returns (B, T + n).
 
         temperature 0 is greedy; top_k > 0 keeps the k likeliest tokens; top_p < 1 keeps the
-        smallest set whose probability reaches p. With `eos_id`, a row that emits it is padded with
-        eos and generation stops once every row has. The cache is used while the sequence fits in
-        max_positions; past that (and with use_cache=False) each step re-runs the last
-        max_positions tokens, so both paths give the same tokens. Runs in eval mode (no dropout)
-        and restores the caller's mode. A `generator` must live on idx's device.
+        smallest set whose probability reaches p. With `stop_token` (an id, e.g. <|endoftext|>),
+        a row that emits it is padded with it and generation stops once every row has. The cache
+        is used while the sequence fits in max_positions; past that (and with use_cache=False)
+        each step re-runs the last max_positions tokens, so both paths give the same tokens.
+        Runs in eval mode (no dropout) and restores the caller's mode. A `generator` must live on
+        idx's device.
         """
         was_training = self.training
         self.eval()
@@ -265,11 +266,11 @@ class GPT(nn.Module):
                 hidden = self._hidden(idx[:, -max_pos:])
             logits = self.lm_head(hidden[:, -1, :]).float()
             next_id = sample(logits, temperature, top_k, top_p, generator)
-            if eos_id is not None:
-                next_id = next_id.masked_fill(finished, eos_id)
-                finished |= next_id == eos_id
+            if stop_token is not None:
+                next_id = next_id.masked_fill(finished, stop_token)
+                finished |= next_id == stop_token
             idx = torch.cat((idx, next_id[:, None]), dim=1)
-            if eos_id is not None and bool(finished.all()):
+            if stop_token is not None and bool(finished.all()):
                 break
         self.train(was_training)
         return idx

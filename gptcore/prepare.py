@@ -26,8 +26,9 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from gptcore.atomic import atomic_dir
+from gptcore.atomic import atomic_dir, check_writable_dir
 from gptcore.corpora import open_corpus
+from gptcore.data import FORMAT_VERSION, VOCAB_LIMIT
 from gptcore.errors import UserError
 from gptcore.sources import Source, open_inputs
 from gptcore.tokenizer import (
@@ -39,7 +40,6 @@ from gptcore.tokenizer import (
     train_tokenizer,
 )
 
-FORMAT_VERSION = 1
 SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 per shard: the most the writer holds in memory
 BATCH_DOCS = 1000  # one encoding task: this many documents ...
 BATCH_BYTES = 1 << 17  # ... or this many bytes of text, whichever comes first
@@ -115,24 +115,20 @@ def prepare(inputs: Sequence[str | os.PathLike], corpus: str | None, out: str | 
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         checked = _round_trip(tok, (d for d, v in zip(docs(), in_val, strict=True) if v),
-                              np.load(tmp / counts["val"]["shards"][0], mmap_mode="r"))
+                              [tmp / s for s in counts["val"]["shards"]])
+        _require_round_trip(checked, out)  # before the folder is committed
     _print_summary(out, meta, checked, timings, workers, trained=tokenizer is None,
                    seconds=time.perf_counter() - started)
     return meta
 
 
 def _check_out(out: Path) -> None:
-    """Refuse outputs that would overwrite something that is not ours."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is an existing file; give a folder path")
+    """Refuse, before any work, outputs that cannot be written or would overwrite something
+    that is not ours."""
+    check_writable_dir(out, "--out")
     if out.is_dir() and any(out.iterdir()) and not (out / "meta.json").is_file():
         raise UserError(f"--out {out} is a non-empty folder not written by gptrun prepare; "
                         "choose another --out or empty it")
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError(f"--out {out}: {parent} is a file, not a folder; give another --out")
 
 
 def _reused_tokenizer(path: Path) -> Tokenizer:
@@ -140,9 +136,9 @@ def _reused_tokenizer(path: Path) -> Tokenizer:
     if tok.token_to_id(EOT) is None:
         raise UserError(f"tokenizer {path} has no {EOT} token, which separates documents; "
                         "train one with `gptrun prepare` instead of --tokenizer")
-    if tok.get_vocab_size() > 1 << 16:
+    if tok.get_vocab_size() > VOCAB_LIMIT:
         raise UserError(f"tokenizer {path} has {tok.get_vocab_size()} tokens but uint16 shards "
-                        "hold at most 65536; use a smaller tokenizer")
+                        f"hold at most {VOCAB_LIMIT}; use a smaller tokenizer")
     return tok
 
 
@@ -308,9 +304,9 @@ class _ShardWriter:
         return self.shards
 
 
-def _round_trip(tok: Tokenizer, val_docs: Iterable[str], val_shard: np.ndarray) -> dict:
-    """Check the first val documents: decode(encode(doc)) == doc, and the shard holds exactly
-    their ids (so the workers and the writer lost nothing). Also counts unknown tokens."""
+def _round_trip(tok: Tokenizer, val_docs: Iterable[str], val_shards: list[Path]) -> dict:
+    """Check the first val documents: decode(encode(doc)) == doc, and the val shards start with
+    exactly their ids (so the workers and the writer lost nothing). Also counts unknown tokens."""
     unk = getattr(tok.model, "unk_token", None)
     unk_id = tok.token_to_id(unk) if unk else None
     ok = docs = tokens = unknown = 0
@@ -322,16 +318,39 @@ def _round_trip(tok: Tokenizer, val_docs: Iterable[str], val_shard: np.ndarray) 
         tokens += len(ids)
         unknown += sum(i == unk_id for i in ids) if unk_id is not None else 0
         expected += [*ids, tok.token_to_id(EOT)]
-    shard_ok = np.array_equal(np.asarray(val_shard[:len(expected)]), expected)
+    shard_ok = np.array_equal(_leading_ids(val_shards, len(expected)), expected)
     return {"docs": docs, "ok": ok, "shard_ok": shard_ok, "unknown_rate": unknown / max(tokens, 1)}
+
+
+def _leading_ids(shards: list[Path], n: int) -> np.ndarray:
+    """The first n token ids of a split, reading only the shards that hold them."""
+    parts, held = [], 0
+    for shard in shards:
+        if held >= n:
+            break
+        parts.append(np.load(shard, mmap_mode="r")[:n - held])
+        held += len(parts[-1])
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+
+
+def _require_round_trip(checked: dict, out: Path) -> None:
+    """A tokenizer that loses text (a reused one with a normalizer, say) or shards that differ
+    from the encoding would train a model on the wrong data: fail, and write nothing."""
+    if checked["ok"] < checked["docs"]:
+        raise UserError(f"round trip failed: decode(encode(doc)) != doc for "
+                        f"{checked['docs'] - checked['ok']} of {checked['docs']} val documents, "
+                        f"so the tokenizer loses text; use a byte-level BPE (drop --tokenizer); "
+                        f"{out} was not written")
+    if not checked["shard_ok"]:
+        raise UserError(f"round trip failed: the val shard does not hold the ids of its first "
+                        f"{checked['docs']} documents (an encoding bug); {out} was not written")
 
 
 def _print_summary(out: Path, meta: dict, checked: dict, timings: dict[str, float],
                    workers: int, trained: bool, seconds: float) -> None:
     splits = meta["splits"]
     encoded_mb = (splits["train"]["bytes"] + splits["val"]["bytes"]) / 1e6
-    round_trip = ("ok" if checked["ok"] == checked["docs"] and checked["shard_ok"]
-                  else "FAILED") + f" on {checked['docs']} val docs"
+    round_trip = f"ok on {checked['docs']} val docs"
     print(f"wrote {out} in {seconds:.1f} s: vocab {meta['vocab_size']} "
         f"({'trained' if trained else 'reused'} tokenizer), eot id {meta['eot_id']}")
     print(f"  {'split':<6}{'tokens':>14}{'bytes':>14}{'docs':>9}{'shards':>8}")

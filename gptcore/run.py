@@ -1,6 +1,7 @@
 """`gptrun train --local`: one run in this process, checkpoints in `train.out/checkpoints/`.
 
-Rerunning the same command resumes from `last.pt`; Ctrl-C writes a checkpoint before it exits.
+Rerunning the same command resumes from `last.pt`; Ctrl-C writes a checkpoint (of the last
+completed step) before it exits.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from gptcore.atomic import atomic_file, write_text_atomic
+from gptcore.atomic import atomic_file, check_writable_dir, write_text_atomic
 from gptcore.checkpoint import load_checkpoint, save_checkpoint
 from gptcore.config import ExperimentConfig
 from gptcore.tracking import TensorBoardLog
@@ -41,19 +42,22 @@ class LocalRun:
 
 
 def train_local(cfg: ExperimentConfig) -> dict[str, float]:
+    """Train `cfg` in this process. Everything that can refuse the run (the output folder, the
+    data, the device, a checkpoint to resume) is checked before anything is written."""
     out = Path(cfg.train.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "config.toml", cfg.to_toml())
+    check_writable_dir(out, "train.out (--out)")
     trainer = Trainer(cfg)
-    run = LocalRun(out)
-    last = run.checkpoints / "last.pt"
+    last = out / "checkpoints" / "last.pt"
     if last.exists():
         trainer.load_state_dict(load_checkpoint(last))
-        run.best_val = trainer.best_val_loss
         print(f"resumed from {last} at step {trainer.step}/{trainer.total_steps}")
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "config.toml", cfg.to_toml())
+    run = LocalRun(out)
+    run.best_val = trainer.best_val_loss
     try:
         result = trainer.fit(run.on_report)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # fit lets Ctrl-C through between steps only
         save_checkpoint(last, trainer.state_dict())
         print(f"\ninterrupted at step {trainer.step}; checkpoint saved to {last}; "
               "run the same command to resume")

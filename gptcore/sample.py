@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from gptcore.checkpoint import load_checkpoint
-from gptcore.config import config_from_dict
+from gptcore.config import model_world_config
 from gptcore.errors import UserError
 from gptcore.model import GPT
 from gptcore.tokenizer import EOT, file_sha256, load_tokenizer
@@ -17,7 +17,7 @@ from gptcore.train import resolve_device
 def load_model(checkpoint: str | Path, device: torch.device) -> tuple[GPT, dict]:
     """The model of a checkpoint, in eval mode, with the checkpoint's state."""
     state = load_checkpoint(checkpoint)
-    cfg = config_from_dict(state["config"])
+    cfg = model_world_config(state["config"])
     model = GPT(cfg.model)
     model.load_state_dict(state["model"])
     return model.to(device).eval(), state
@@ -25,7 +25,9 @@ def load_model(checkpoint: str | Path, device: torch.device) -> tuple[GPT, dict]
 
 def sample_cli(checkpoint: str, *, prompt: str, max_new_tokens: int, temperature: float,
                top_k: int, top_p: float, seed: int, use_cache: bool, tokenizer: str | None,
-               device: str) -> str:
+               device: str, ignore_eos: bool = False) -> str:
+    """Print and return the prompt's continuation. It ends at the first <|endoftext|> (the end of
+    a document in training) unless `ignore_eos`, which samples all `max_new_tokens`."""
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens={max_new_tokens} must be >= 1")
     if temperature < 0:
@@ -42,11 +44,13 @@ def sample_cli(checkpoint: str, *, prompt: str, max_new_tokens: int, temperature
     if file_sha256(tok_path) != state["tokenizer_sha256"]:
         raise UserError(f"tokenizer {tok_path} is not the one this checkpoint was trained with; "
                         "pass the original with --tokenizer")
-    ids = tok.encode(prompt).ids if prompt else [tok.token_to_id(EOT)]
+    eot = tok.token_to_id(EOT)
+    ids = tok.encode(prompt).ids if prompt else [eot]
     idx = torch.tensor([ids], dtype=torch.long, device=torch_device)
     generator = torch.Generator(device=torch_device).manual_seed(seed)
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         generator=generator, use_cache=use_cache)
+                         generator=generator, use_cache=use_cache,
+                         stop_token=None if ignore_eos else eot)
     text = tok.decode(out[0].tolist(), skip_special_tokens=True)
     print(text)
     return text

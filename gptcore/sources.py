@@ -7,6 +7,7 @@ memory can be prepared. Bad input is reported as a UserError naming the file and
 from __future__ import annotations
 
 import codecs
+import collections
 import functools
 import json
 import os
@@ -45,8 +46,7 @@ def open_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text",
         if not path.exists():
             raise UserError(f"input not found: {path}; check the --input path")
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.suffix in EXTENSIONS and p.is_file()
-                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            files = _folder_inputs(path)
             if not files:
                 raise UserError(f"no .txt, .jsonl or .parquet files under {path}; point --input "
                                 "at a folder or files with those extensions")
@@ -57,6 +57,26 @@ def open_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text",
                             "file, or a folder of them")
         sources.extend(_open_file(f, text_field, errors) for f in files)
     return sources
+
+
+def _folder_inputs(root: Path) -> list[Path]:
+    """The input files under a folder, recursively and sorted; hidden paths (.git, ...) are left
+    out. Other files are skipped too, but not silently: one line counts them by extension."""
+    files: list[Path] = []
+    skipped: collections.Counter[str] = collections.Counter()
+    for path in sorted(root.rglob("*")):
+        if not path.is_file() or any(part.startswith(".") for part in path.relative_to(root).parts):
+            continue
+        if path.suffix in EXTENSIONS:
+            files.append(path)
+        else:
+            skipped[path.suffix or "no extension"] += 1
+    if skipped:
+        total = sum(skipped.values())
+        counts = ", ".join(f"{n} {suffix}" for suffix, n in sorted(skipped.items()))
+        print(f"skipped {total} file{'s' * (total != 1)} under {root} that are not .txt, .jsonl "
+              f"or .parquet: {counts}")
+    return files
 
 
 def _open_file(path: Path, text_field: str, errors: str) -> Source:

@@ -12,8 +12,10 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from gptcore.data import VOCAB_LIMIT
 from gptcore.errors import UserError
 
 EOT = "<|endoftext|>"
@@ -21,7 +23,6 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 # Special tokens come first so that their ids (0, 1, 2) are the same in every vocabulary.
 SPECIAL_TOKENS = [EOT, IM_START, IM_END]
-MAX_VOCAB = 65535  # token shards are uint16
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the special tokens
 
 # ChatML as in MiniMind: one `<|im_start|>role\ncontent<|im_end|>\n` block per message.
@@ -35,9 +36,9 @@ CHAT_TEMPLATE = (
 
 def check_vocab_size(vocab_size: int) -> None:
     """Reject sizes the shards cannot hold or that leave no room for merges."""
-    if vocab_size > MAX_VOCAB:
+    if vocab_size > VOCAB_LIMIT:
         raise UserError(f"--vocab-size {vocab_size} is too large: token shards are uint16, so at "
-                        f"most {MAX_VOCAB}; pick a smaller vocabulary")
+                        f"most {VOCAB_LIMIT}; pick a smaller vocabulary")
     if vocab_size < MIN_VOCAB:
         raise UserError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least "
                         f"{MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
@@ -69,6 +70,22 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise UserError(f"{path} is not a valid tokenizer.json ({reason}); pass a tokenizer.json "
                         "written by `gptrun prepare`") from None
+
+
+def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
+    """The UTF-8 bytes each token id stands for (int64, one per id); special tokens count 0.
+
+    A byte-level BPE token is one character per byte (GPT-2's byte-to-unicode map), so its byte
+    count is its length: decoding one id alone would turn a token that holds part of a multi-byte
+    character into U+FFFD (3 bytes). Other tokenizers (a reused --tokenizer) count the bytes of
+    each token decoded alone."""
+    byte_level = isinstance(tok.decoder, decoders.ByteLevel)
+    special = {i for i, added in tok.get_added_tokens_decoder().items() if added.special}
+    lengths = np.zeros(tok.get_vocab_size(), dtype=np.int64)
+    for token, i in tok.get_vocab().items():
+        if i not in special:
+            lengths[i] = len(token) if byte_level else len(tok.decode([i]).encode("utf-8"))
+    return lengths
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -5,9 +5,16 @@ Train worker (`experiments.train`), where the model is wrapped in DDP. The loop 
 Ray: it calls `on_report(metrics, state)` at every evaluation, and the caller decides where the
 checkpoint state goes.
 
-Determinism: every batch is a pure function of (seed, batch index, micro-step, rank), and the
+Determinism: every batch is a pure function of (seed, batch index, micro-step, rank), and so are
+the dropout masks (seeded per (seed, rank, batch index): different on every DDP rank), and the
 checkpoint carries the batch index and all RNG states, so a resumed run repeats the uninterrupted
-one exactly on CPU.
+one exactly on CPU. Ctrl-C is held until the step in progress has finished, so an interrupt
+checkpoint is always taken between steps.
+
+Clocks: `step` counts optimizer steps and is the lr schedule's position, so a rollback sets it
+back to the checkpoint's step. `tokens` (`tokens_seen`) counts the tokens of every applied step,
+including steps that a rollback later undid: it never decreases, and it is the clock a scheduler
+should use (ASHA's `time_attr`). After a rollback it exceeds step x tokens per step.
 """
 
 from __future__ import annotations
@@ -15,23 +22,28 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptcore.config import ExperimentConfig, config_from_dict, run_budget
+from gptcore.config import ExperimentConfig, model_world_config, run_budget
 from gptcore.data import TokenData
 from gptcore.errors import DivergedError, UserError
 from gptcore.mfu import device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at, param_groups
+from gptcore.tokenizer import load_tokenizer, token_byte_lengths
 
 SHAPE_KEYS = ("style", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_positions",
               "vocab_size")
+SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio", "decay_fraction")  # optim.*
 Report = Callable[[dict[str, float], dict[str, Any]], None]
 
 
@@ -53,6 +65,38 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def dropout_seed(seed: int, rank: int, batch_index: int) -> int:
+    """The torch seed of one training step's dropout masks on one rank.
+
+    Model init uses `train.seed` alone, so every rank starts from the same weights; dropout must
+    then differ between ranks (N ranks drawing one mask would average N copies of the same noise),
+    and being a pure function of the data position keeps resume and rollbacks exact."""
+    state = np.random.SeedSequence([seed, rank, batch_index]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 31 | int(state[1]) >> 1  # 63 bits: within torch.manual_seed's range
+
+
+@contextlib.contextmanager
+def hold_interrupts() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) until the block ends, then deliver it to the previous handler.
+
+    A KeyboardInterrupt raised inside a step would leave it half done (the batch index moved, the
+    optimizer not stepped, or only some parameters updated), and a checkpoint taken then would
+    resume off by a batch. Signals reach only the main thread, so elsewhere (Ray Train workers)
+    this does nothing."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        signal.raise_signal(signal.SIGINT)
 
 
 def open_data(cfg: ExperimentConfig) -> TokenData:
@@ -93,11 +137,15 @@ class Trainer:
         self.tokens_per_step, self.total_steps = budget.tokens_per_step, budget.total_steps
         self.flops_per_token = self.model.flops_per_token(cfg.model.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(self.device)
-        # Progress and guard state: all of it goes into the checkpoint.
-        self.step = 0  # optimizer steps taken
+        # UTF-8 bytes of each token id, for bits per byte on exactly the tokens evaluated.
+        self.token_bytes = torch.from_numpy(
+            token_byte_lengths(load_tokenizer(self.data.tokenizer_path))).to(self.device)
+        # Progress: a resume restores all of it; a rollback only the weights, optimizer and step.
+        self.step = 0  # optimizer steps taken: the schedule's position
         self.batch_index = 0  # batches consumed, including skipped ones: the data position
-        self.tokens_seen = 0
-        self.lr_scale = 1.0  # halved by every rollback
+        self.tokens_seen = 0  # tokens of every applied step, rolled back or not: never decreases
+        # Divergence guard: kept across rollbacks (each one halves lr_scale again).
+        self.lr_scale = 1.0
         self.bad_streak = 0
         self.bad_steps = 0
         self.rollbacks = 0
@@ -114,6 +162,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.step_model.train()
+        torch.manual_seed(dropout_seed(t.seed, self.rank, self.batch_index))
         loss_sum = torch.zeros((), device=self.device)
         data_seconds = 0.0
         for micro in range(t.grad_accum):
@@ -165,10 +214,8 @@ class Trainer:
             raise DivergedError(f"loss was non-finite for {self.bad_streak} steps in a row after "
                                 f"{self.rollbacks} rollbacks (lr scale {self.lr_scale:g}); "
                                 "lower optim.lr or raise optim.warmup")
-        if self._snapshot is not None:
-            keep = (self.batch_index, self.rollbacks, self.bad_steps, self.resumed_from)
-            self.load_state_dict(self._snapshot)  # data moves on: the bad batches stay skipped
-            self.batch_index, self.rollbacks, self.bad_steps, self.resumed_from = keep
+        if self._snapshot is not None:  # data moves on: the bad batches stay skipped
+            self._restore_weights(self._snapshot)
         self.rollbacks += 1
         self.lr_scale *= 0.5
         self.bad_streak = 0
@@ -178,9 +225,10 @@ class Trainer:
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss over the fixed validation slice (split across ranks, then all-reduced)."""
+        """Mean loss over the fixed validation slice (split across ranks, then all-reduced), and
+        bits per byte over the UTF-8 bytes of exactly the target tokens evaluated."""
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, tokens, bytes
         for x, y in self.data.val_batches(seq_len=self.cfg.model.seq_len,
                                           batch_size=self.cfg.train.batch_size,
                                           eval_tokens=self.cfg.train.eval_tokens,
@@ -190,11 +238,13 @@ class Trainer:
                 _, loss = self.model(x, y)
             totals[0] += loss.double() * y.numel()
             totals[1] += y.numel()
+            totals[2] += self.token_bytes[y].sum()
         if self.world_size > 1:
             dist.all_reduce(totals)
-        val_loss = (totals[0] / totals[1].clamp(min=1)).item()
+        nats, count, nbytes = totals.tolist()
+        val_loss = nats / max(count, 1)
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
-                "val_bpb": val_loss / math.log(2) / self.data.bytes_per_token("val")}
+                "val_bpb": nats / math.log(2) / max(nbytes, 1)}
 
     # ---------------------------------------------------------------- the run
     def fit(self, on_report: Report | None = None, stop_at_step: int | None = None) -> dict:
@@ -213,7 +263,8 @@ class Trainer:
         reported_step = -1
         window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
         while self.step < end:
-            step_metrics = self.train_step()
+            with hold_interrupts():
+                step_metrics = self.train_step()
             window_steps += 1
             window_data += step_metrics["data_seconds"]
             reporting = self.step % t.eval_interval == 0 or self.step == self.total_steps
@@ -287,26 +338,54 @@ class Trainer:
         })
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint; refuses one from another model shape or tokenizer."""
-        saved = config_from_dict(state["config"]).model
-        diff = [f"{k}: {getattr(saved, k)} vs {getattr(self.cfg.model, k)}" for k in SHAPE_KEYS
-                if getattr(saved, k) != getattr(self.cfg.model, k)]
+        """Resume from a checkpoint: weights, optimizer, progress and guard state. Refuses one
+        from another model shape, tokenizer or lr schedule (see `_check_schedule`)."""
+        saved = model_world_config(state["config"])
+        diff = [f"{k}: {getattr(saved.model, k)} vs {getattr(self.cfg.model, k)}"
+                for k in SHAPE_KEYS if getattr(saved.model, k) != getattr(self.cfg.model, k)]
         if diff:
             raise UserError(f"checkpoint is from another model shape ({'; '.join(diff)}); "
                             "use a new train.out folder or the checkpoint's config")
         if state["tokenizer_sha256"] != self.data.tokenizer_sha256:
             raise UserError(f"checkpoint was trained with another tokenizer than the one in "
                             f"{self.cfg.data.dir}; point data.dir at the original data folder")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        for key in ("step", "batch_index", "tokens_seen", "lr_scale", "bad_steps", "rollbacks",
+        self._check_schedule(saved, state)
+        self._restore_weights(state)
+        for key in ("batch_index", "tokens_seen", "lr_scale", "bad_steps", "rollbacks",
                     "best_val_loss"):
             setattr(self, key, state[key])
         self.resumed_from = self.step
+        self._snapshot = state
+
+    def _check_schedule(self, saved: ExperimentConfig, state: dict[str, Any]) -> None:
+        """A resumed run keeps the lr schedule it started with: a changed optim schedule key is
+        refused, and so is another run length unless `train.extend` asks for it (the schedule
+        is then recomputed for the new length from the checkpoint's step on)."""
+        diff = [f"optim.{k}: {getattr(saved.optim, k)} vs {getattr(self.cfg.optim, k)}"
+                for k in SCHEDULE_KEYS if getattr(saved.optim, k) != getattr(self.cfg.optim, k)]
+        if diff:
+            raise UserError(f"checkpoint was trained with another lr schedule ({'; '.join(diff)});"
+                            " use a new train.out folder or the checkpoint's values")
+        steps = run_budget(saved, state["world_size"]).total_steps
+        if steps == self.total_steps:
+            return
+        if not self.cfg.train.extend:
+            raise UserError(f"checkpoint is from a {steps}-step run but this config makes "
+                            f"{self.total_steps} steps, which would change the lr schedule "
+                            "mid-run; to change the run's length on purpose add --set "
+                            "train.extend=true, otherwise use a new train.out folder")
+        self.log(f"train.extend: the run's length goes from {steps} to {self.total_steps} steps; "
+                 f"the lr schedule is recomputed for {self.total_steps} steps from step "
+                 f"{state['step']}")
+
+    def _restore_weights(self, state: dict[str, Any]) -> None:
+        """What a rollback restores: model, optimizer, step and RNG states, not the guard."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
-        self._snapshot = state
 
 
 def _to_cpu(value: Any) -> Any:

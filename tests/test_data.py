@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from gptcore import data as data_module
 from gptcore.data import TokenData
 from gptcore.errors import UserError
 
@@ -51,7 +52,25 @@ def batch(data: TokenData, **kw: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_meta_fields(data: TokenData) -> None:
     assert data.vocab_size == 65535 and data.eot_id == 0 and data.tokenizer_sha256 == "ab" * 32
-    assert data.bytes_per_token("val") == 3.0
+
+
+def test_format_constants_and_cache_dir_have_one_definition(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from gptcore import config, corpora, mfu, prepare, tokenizer
+
+    assert data_module.VOCAB_LIMIT == 65536  # uint16 holds ids 0..65535
+    assert prepare.VOCAB_LIMIT is tokenizer.VOCAB_LIMIT is config.VOCAB_LIMIT is \
+        data_module.VOCAB_LIMIT
+    assert prepare.FORMAT_VERSION is data_module.FORMAT_VERSION
+    assert corpora.cache_dir is mfu.cache_dir is data_module.cache_dir
+    monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
+    assert data_module.cache_dir() == tmp_path
+    tokenizer.check_vocab_size(65536)  # the largest vocabulary uint16 shards hold
+    config.ModelConfig(vocab_size=65536).validate()
+    for too_large in (lambda: tokenizer.check_vocab_size(65537),
+                      lambda: config.ModelConfig(vocab_size=65537).validate()):
+        with pytest.raises(UserError, match="65536"):
+            too_large()
 
 
 def test_batches_are_deterministic_and_shifted(data: TokenData) -> None:

@@ -14,12 +14,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, normalizers
 
 from gptcore import corpora, prepare, sources
 from gptcore.data import TokenData
 from gptcore.errors import UserError
-from gptcore.tokenizer import EOT, SPECIAL_TOKENS, file_sha256, render_chat, train_tokenizer
+from gptcore.tokenizer import (
+    EOT,
+    SPECIAL_TOKENS,
+    file_sha256,
+    render_chat,
+    token_byte_lengths,
+    train_tokenizer,
+)
 from tests.conftest import assert_user_error, run_cli, synthetic_documents
 
 META_KEYS = {"format_version", "tokenizer_sha256", "vocab_size", "eot_id", "splits",
@@ -54,11 +61,18 @@ def decode_split(out: Path, meta: dict, split: str, tok: Tokenizer) -> list[str]
     return [tok.decode(ids[a:b].tolist()) for a, b in zip(starts, cuts, strict=True)]
 
 
-def test_mixed_folder_layout_meta_and_round_trip(tmp_path: Path) -> None:
+def test_mixed_folder_layout_meta_and_round_trip(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
     docs = mixed_folder(tmp_path / "corpus")
+    for name in ("index.html", "sub/app.js", "sub/page.html", ".git/config"):
+        (tmp_path / "corpus" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "corpus" / name).write_text("not an input")
     out = tmp_path / "data"
     meta = prepare.prepare([str(tmp_path / "corpus")], None, out, vocab_size=320,
                            val_fraction=0.25, progress=False)
+    # Hidden paths are left out quietly; other files are counted (notes.md from mixed_folder).
+    assert f"skipped 4 files under {tmp_path / 'corpus'} that are not .txt, .jsonl or .parquet: " \
+        "2 .html, 1 .js, 1 .md\n" in capsys.readouterr().out
     assert set(meta) == META_KEYS
     assert json.loads((out / "meta.json").read_text()) == meta
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json",
@@ -246,6 +260,37 @@ def test_out_that_is_a_file_or_a_foreign_folder_is_refused(tmp_path: Path) -> No
     assert_user_error(run_cli("prepare", "--input", corpus, "--out", str(tmp_path / "mine")),
                       "not written by gptrun prepare")
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["thesis.tex"]
+
+
+def test_unwritable_out_is_refused_before_any_work(tmp_path: Path) -> None:
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc, where no folder can be made, even by root")
+    assert_user_error(run_cli("prepare", "--input", str(_corpus(tmp_path)), "--out",
+                              "/proc/gptrun/data"), "/proc/gptrun/data is not writable")
+
+
+def test_a_tokenizer_that_loses_text_fails_and_writes_nothing(tmp_path: Path) -> None:
+    tok = train_tokenizer(synthetic_documents(20), 300)
+    tok.normalizer = normalizers.Lowercase()  # "KING:" comes back as "king:"
+    tok.save(str(tmp_path / "lower.json"))
+    out = tmp_path / "data"
+    proc = run_cli("prepare", "--input", str(_corpus(tmp_path)), "--tokenizer",
+                   str(tmp_path / "lower.json"), "--out", str(out))
+    assert_user_error(proc, "round trip failed", "of 2 val documents", "not written")
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lower.json", "ok.txt"]
+
+
+def test_token_byte_lengths_are_utf8_bytes_even_for_partial_characters() -> None:
+    text = UNICODE * 3 + "KING: the crown" + EOT + "東京 🎭"
+    tok = train_tokenizer([UNICODE * 20, "KING: the crown doth love thee"], 300)
+    ids = tok.encode(text).ids
+    partial = [i for i in ids if "\ufffd" in tok.decode([i])]
+    assert partial  # some tokens hold part of a multi-byte character
+    lengths = token_byte_lengths(tok)
+    assert lengths.shape == (tok.get_vocab_size(),)
+    assert [lengths[tok.token_to_id(t)] for t in SPECIAL_TOKENS] == [0, 0, 0]
+    assert sum(lengths[i] for i in ids) == len(text.replace(EOT, "").encode("utf-8"))
 
 
 def test_errors_replace_accepts_non_utf8(tmp_path: Path) -> None:

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import copy
+import io
+import json
 import math
+import os
+import shutil
+import signal
+import subprocess
+import zipfile
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
-from gptcore.checkpoint import load_checkpoint, save_checkpoint
+from gptcore import atomic, train
+from gptcore.checkpoint import TRAILER_BYTES, load_checkpoint, save_checkpoint
 from gptcore.config import load_config
 from gptcore.errors import DivergedError, UserError
+from gptcore.model import GPT
+from gptcore.optim import AdamW, lr_at
 from gptcore.run import train_local
-from gptcore.train import Trainer
-from tests.conftest import assert_user_error, run_cli, tiny_config_text
+from gptcore.sample import sample_cli
+from gptcore.train import Trainer, dropout_seed
+from tests.conftest import REPO, assert_user_error, run_cli, tiny_config_text
 
 
 def make_config(tiny_data, tmp_path, *overrides: str):
@@ -21,18 +34,17 @@ def make_config(tiny_data, tmp_path, *overrides: str):
     return load_config(path, list(overrides))
 
 
-def record_losses(trainer: Trainer) -> list[float]:
-    """Wrap train_step so every step's loss is kept."""
-    losses: list[float] = []
+def record_steps(trainer: Trainer) -> list[dict[str, float]]:
+    """Wrap train_step so every step's metrics are kept."""
+    steps: list[dict[str, float]] = []
     step = trainer.train_step
 
     def recording() -> dict[str, float]:
-        metrics = step()
-        losses.append(metrics["loss"])
-        return metrics
+        steps.append(step())
+        return steps[-1]
 
     trainer.train_step = recording
-    return losses
+    return steps
 
 
 def capture_grads(trainer: Trainer) -> list[list[torch.Tensor]]:
@@ -63,14 +75,15 @@ def test_grad_accumulation_matches_one_big_batch(tiny_data, tmp_path):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
 
 
-def test_resume_is_bit_identical(tiny_data, tmp_path):
-    cfg = make_config(tiny_data, tmp_path, "train.max_steps=12")
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_resume_is_bit_identical(tiny_data, tmp_path, dropout):
+    cfg = make_config(tiny_data, tmp_path, "train.max_steps=12", f"model.dropout={dropout}")
     full = Trainer(cfg, log=None)
-    full_losses = record_losses(full)
+    full_steps = record_steps(full)
     full.fit()
 
     first = Trainer(cfg, log=None)
-    first_losses = record_losses(first)
+    first_steps = record_steps(first)
     saved = {}
     first.fit(on_report=lambda m, state: saved.update(state=state) if state else None,
               stop_at_step=6)
@@ -79,9 +92,10 @@ def test_resume_is_bit_identical(tiny_data, tmp_path):
     second = Trainer(cfg, log=None)
     second.load_state_dict(load_checkpoint(path))
     assert second.step == 6
-    second_losses = record_losses(second)
+    second_steps = record_steps(second)
     second.fit()
-    assert first_losses + second_losses == full_losses  # bit-identical, not approximately
+    # bit-identical, not approximately
+    assert [m["loss"] for m in first_steps + second_steps] == [m["loss"] for m in full_steps]
     for a, b in zip(full.model.parameters(), second.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -127,6 +141,27 @@ def test_bad_streak_rolls_back_and_halves_lr(tiny_data, tmp_path):
     assert trainer.step == 12
 
 
+def test_rollbacks_compound_and_tokens_never_go_back(tiny_data, tmp_path):
+    """Three rollbacks to the same checkpoint: lr scale 1/8, not 1/2; the tokens clock goes on."""
+    cfg = make_config(tiny_data, tmp_path, "train.max_bad_steps=2", "train.max_rollbacks=3",
+                      "train.eval_interval=2", "train.checkpoint_interval=4")
+    trainer = Trainer(cfg, log=None)
+    # Batches 0-5 train steps 1-6 (checkpoint at 4, report at 6), then 6 bad batches in a row.
+    poison_batches(trainer, set(range(6, 12)))
+    steps = record_steps(trainer)
+    reports, states = [], []
+    trainer.fit(on_report=lambda m, state: (reports.append(m), state and states.append(state)))
+    assert trainer.rollbacks == 3 and trainer.bad_steps == 6 and trainer.lr_scale == 0.125
+    assert trainer.step == 12 and trainer.batch_index == 20
+    first_good = steps[12]  # the first step after the three rollbacks: step 5 again
+    assert first_good["lr"] == lr_at(4, 12, cfg.optim) * 0.125
+    assert [m["step"] for m in reports] == [2, 4, 6, 6, 8, 10, 12]
+    tokens = [m["tokens"] for m in reports]
+    assert tokens == [2 * 128, 4 * 128, 6 * 128, 8 * 128, 10 * 128, 12 * 128, 14 * 128]
+    assert trainer.tokens_seen == 14 * 128  # steps 5 and 6 were trained, then rolled back
+    assert states[-1]["lr_scale"] == 0.125 and states[-1]["rollbacks"] == 3
+
+
 def test_endless_nan_stops_as_diverged(tiny_data, tmp_path):
     cfg = make_config(tiny_data, tmp_path, "train.max_bad_steps=2", "train.max_rollbacks=2")
     trainer = Trainer(cfg, log=None)
@@ -136,19 +171,59 @@ def test_endless_nan_stops_as_diverged(tiny_data, tmp_path):
     assert trainer.rollbacks == 2
 
 
-def test_corrupt_and_truncated_checkpoints_are_named(tiny_data, tmp_path):
+def flip(data: bytes, position: int) -> bytes:
+    return data[:position] + bytes([data[position] ^ 0x01]) + data[position + 1:]
+
+
+def test_any_changed_byte_is_a_damaged_checkpoint(tiny_data, tmp_path):
     trainer = Trainer(make_config(tiny_data, tmp_path), log=None)
+    trainer.fit(stop_at_step=2)
     path = save_checkpoint(tmp_path / "ok.pt", trainer.state_dict())
-    assert load_checkpoint(path)["step"] == 0
-    truncated = tmp_path / "truncated.pt"
-    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(UserError, match="truncated.pt is corrupt or truncated"):
-        load_checkpoint(truncated)
-    tampered = torch.load(path, weights_only=True)
-    next(iter(tampered["model"].values())).add_(1.0)
-    torch.save(tampered, tmp_path / "tampered.pt")
-    with pytest.raises(UserError, match="tampered.pt failed its checksum"):
-        load_checkpoint(tmp_path / "tampered.pt")
+    assert load_checkpoint(path)["step"] == 2
+    good = path.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(good[:-TRAILER_BYTES])) as payload:
+        pickle = next(i for i in payload.infolist() if i.filename.endswith("data.pkl"))
+    # The pickled metadata (step, data position, config, ...), a stride over the whole file
+    # (tensors, zip directory), and every byte of the checksum trailer.
+    metadata = range(pickle.header_offset, pickle.header_offset + 30 + len(pickle.filename)
+                     + pickle.compress_size, 7)
+    positions = sorted({*metadata, *range(0, len(good), len(good) // 150),
+                        *range(len(good) - TRAILER_BYTES - 64, len(good))})
+    assert len(positions) > 400
+    bad = tmp_path / "bad.pt"
+    for position in positions:
+        bad.write_bytes(flip(good, position))
+        with pytest.raises(UserError, match="damaged checkpoint .*bad.pt"):
+            load_checkpoint(bad)
+    for damaged in (good[: len(good) // 2], good[:-1], good + b"\0", good[:-TRAILER_BYTES]):
+        bad.write_bytes(damaged)
+        with pytest.raises(UserError, match="damaged checkpoint .*bad.pt"):
+            load_checkpoint(bad)
+
+
+def test_atomic_writes_are_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
+    """Data reaches the disk before the new name points at it, and the rename itself is flushed."""
+    events: list[tuple[str, int]] = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.fstat(fd).st_ino)))
+
+    def replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with atomic.atomic_file(tmp_path / "f.txt") as tmp:
+        tmp.write_text("data")
+    file_ino, folder_ino = (tmp_path / "f.txt").stat().st_ino, tmp_path.stat().st_ino
+    assert events == [("fsync", file_ino), ("replace", file_ino), ("fsync", folder_ino)]
+
+    events.clear()
+    with atomic.atomic_dir(tmp_path / "d") as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "a.npy").write_text("a")
+    inos = {p: (tmp_path / "d" / p).stat().st_ino for p in ("sub/a.npy", "sub", ".")}
+    assert events == [("fsync", inos["sub/a.npy"]), ("fsync", inos["sub"]), ("fsync", inos["."]),
+                      ("replace", inos["."]), ("fsync", folder_ino)]
 
 
 def test_local_run_resumes_and_refuses_another_shape(tiny_data, tmp_path, capsys):
@@ -156,13 +231,120 @@ def test_local_run_resumes_and_refuses_another_shape(tiny_data, tmp_path, capsys
     first = train_local(cfg)
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "last.pt").exists() and (ckpts / "best.pt").exists()
-    longer = make_config(tiny_data, tmp_path, "train.max_steps=12")
+    longer = make_config(tiny_data, tmp_path, "train.max_steps=12", "train.extend=true")
     second = train_local(longer)
-    assert "resumed from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "train.extend: the run's length goes from 8 to 12 steps" in out
+    assert "resumed from" in out
     assert second["step"] == 12 and first["step"] == 8
     other = make_config(tiny_data, tmp_path, "model.n_layer=3")
     with pytest.raises(UserError, match="another model shape .*n_layer: 2 vs 3"):
         train_local(other)
+
+
+def test_a_rerun_with_another_schedule_is_refused_unless_extended(tiny_data, tmp_path):
+    train_local(make_config(tiny_data, tmp_path, "train.max_steps=8"))
+    last = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    for overrides, needle in [(["train.max_steps=16"], "8-step run but this config makes 16 "
+                               "steps.*--set train.extend=true"),
+                              (["train.max_tokens=2048"], "8-step run but this config makes 16"),
+                              (["optim.lr=1e-3", "train.extend=true"], "optim.lr: 0.003 vs 0.001")]:
+        trainer = Trainer(make_config(tiny_data, tmp_path, *overrides), log=None)
+        with pytest.raises(UserError, match=needle):
+            trainer.load_state_dict(last)  # the resume of --local and of Ray Train alike
+    logs: list[str] = []
+    extended = Trainer(make_config(tiny_data, tmp_path, "train.max_steps=16", "train.extend=true"),
+                       log=logs.append)
+    extended.load_state_dict(last)
+    assert extended.step == 8 and extended.total_steps == 16
+    assert any("from 8 to 16 steps" in line for line in logs)
+    shorter = Trainer(make_config(tiny_data, tmp_path, "train.max_steps=8"), log=None)
+    shorter.load_state_dict(last)  # the same length needs no flag
+    config = tmp_path / "exp.toml"
+    assert_user_error(run_cli("train", str(config), "--local", "--set", "train.max_steps=10"),
+                      "train.extend=true")
+
+
+def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_path, monkeypatch):
+    """SIGINT arrives inside step 6 (batch index moved, optimizer not yet stepped): the interrupt
+    checkpoint must still be taken between steps, so the resumed run equals the uninterrupted one."""
+    cfg = make_config(tiny_data, tmp_path, "model.dropout=0.1")
+    full = make_config(tiny_data, tmp_path, "model.dropout=0.1", f'train.out="{tmp_path / "full"}"')
+    real_step, calls = AdamW.step, []
+
+    def interrupted_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(AdamW, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        train_local(cfg)
+    monkeypatch.setattr(AdamW, "step", real_step)
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    assert load_checkpoint(last)["step"] == 6 and load_checkpoint(last)["batch_index"] == 6
+    resumed, uninterrupted = train_local(cfg), train_local(full)
+    assert resumed["val_loss"] == uninterrupted["val_loss"]
+    a, b = (load_checkpoint(p / "checkpoints" / "last.pt")["model"]
+            for p in (tmp_path / "run", tmp_path / "full"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bits_per_byte_counts_the_bytes_of_the_evaluated_slice(tiny_data, tmp_path):
+    trainer = Trainer(make_config(tiny_data, tmp_path), log=None)
+    metrics = trainer.evaluate()
+    targets = torch.cat([y.reshape(-1) for _, y in trainer.data.val_batches(
+        seq_len=32, batch_size=4, eval_tokens=2048)])
+    assert targets.numel() == trainer.data.num_val_windows(32, 2048) * 32
+    tok = Tokenizer.from_file(str(tiny_data / "tokenizer.json"))
+    # The slice's targets are consecutive tokens; <|endoftext|> stands for no text.
+    nbytes = len(tok.decode(targets.tolist(), skip_special_tokens=True).encode("utf-8"))
+    split = json.loads((tiny_data / "meta.json").read_text())["splits"]["val"]
+    assert nbytes / targets.numel() != pytest.approx(split["bytes"] / split["tokens"], rel=1e-3)
+    nats = metrics["val_loss"] * targets.numel()
+    assert metrics["val_bpb"] == pytest.approx(nats / math.log(2) / nbytes, rel=1e-9)
+
+
+def test_dropout_differs_across_ranks_while_init_does_not(tiny_data, tmp_path, monkeypatch):
+    cfg = make_config(tiny_data, tmp_path, "model.dropout=0.5")
+    monkeypatch.setattr(train.dist, "all_reduce", lambda tensor, op=None: None)  # no group here
+    inits, states = [], []
+    for rank in (0, 1):  # each built and stepped in turn, as if in its own process
+        trainer = Trainer(cfg, rank=rank, world_size=2, log=None)
+        inits.append(copy.deepcopy(trainer.model.state_dict()))
+        forward = trainer.step_model.forward
+        trainer.step_model.forward = lambda *a, forward=forward, **kw: (
+            states.append(torch.get_rng_state()), forward(*a, **kw))[1]
+        trainer.train_step()
+    assert all(torch.equal(inits[0][k], inits[1][k]) for k in inits[0])  # the same init
+    assert not torch.equal(states[0], states[1])  # the RNG that draws the dropout masks
+    for rank, state in enumerate(states):
+        torch.manual_seed(dropout_seed(cfg.train.seed, rank, 0))
+        assert torch.equal(torch.get_rng_state(), state)
+    assert len({dropout_seed(1337, r, s) for r in range(4) for s in range(100)}) == 400
+
+
+def test_sample_stops_at_end_of_text_unless_told_not_to(tiny_data, tmp_path, monkeypatch):
+    trainer = Trainer(make_config(tiny_data, tmp_path), log=None)
+    model, eot = trainer.model, trainer.data.eot_id
+    with torch.no_grad():  # every position's hidden state is v, and <|endoftext|> reads v best
+        v = torch.randn(model.cfg.d_model)
+        model.norm_f.weight.zero_()
+        model.norm_f.bias.copy_(v)
+        model.tok_emb.weight[eot] = 10 * v
+    path = save_checkpoint(tmp_path / "eot.pt", trainer.state_dict())
+    outputs: list[torch.Tensor] = []
+    generate = GPT.generate
+    monkeypatch.setattr(GPT, "generate", lambda *a, **kw: outputs.append(generate(*a, **kw))
+                        or outputs[-1])
+    args = dict(prompt="KING:", max_new_tokens=10, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                use_cache=True, tokenizer=None, device="cpu")
+    assert sample_cli(str(path), **args) == "KING:"
+    assert sample_cli(str(path), **args, ignore_eos=True) == "KING:"
+    prompt = len(Tokenizer.from_file(str(tiny_data / "tokenizer.json")).encode("KING:").ids)
+    assert outputs[0][0].tolist()[prompt:] == [eot]
+    assert outputs[1][0].tolist()[prompt:] == [eot] * 10
 
 
 def test_cli_train_local_then_sample(tiny_data, tmp_path):
@@ -196,8 +378,37 @@ def test_cli_bad_config_is_one_line(tiny_data, tmp_path, overrides, needle):
 def test_cli_bad_checkpoints_are_one_line(tiny_data, tmp_path):
     assert_user_error(run_cli("sample", str(tmp_path / "missing.pt")), "does not exist")
     junk = tmp_path / "junk.pt"
-    junk.write_bytes(b"not a checkpoint at all")
-    assert_user_error(run_cli("sample", str(junk)), "junk.pt is corrupt or truncated")
-    data_missing = tmp_path / "exp.toml"
+    junk.write_bytes(b"not a checkpoint at all, but longer than a checksum trailer is long")
+    assert_user_error(run_cli("sample", str(junk)), "damaged checkpoint", "junk.pt")
+
+
+def test_cli_train_local_bad_out_or_data_is_one_line_and_writes_nothing(tiny_data, tmp_path):
+    config = tmp_path / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    (tmp_path / "file").write_text("keep me")
+    assert_user_error(run_cli("train", str(config), "--local", "--out", str(tmp_path / "file")),
+                      "existing file")
+    assert (tmp_path / "file").read_text() == "keep me"
+    if os.path.isdir("/proc"):  # a filesystem where no folder can be made, even by root
+        assert_user_error(run_cli("train", str(config), "--local", "--out", "/proc/gptrun/run"),
+                          "/proc/gptrun/run is not writable")
+    data_missing = tmp_path / "nodata.toml"
     data_missing.write_text(tiny_config_text(tmp_path / "nodata", tmp_path / "run"))
     assert_user_error(run_cli("train", str(data_missing), "--local"), "nodata")
+    assert not (tmp_path / "run").exists()  # no config.toml before the data was found
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_makefile_passes_torch_index_to_the_torch_install_only(tmp_path):
+    def pip_installs(*args: str) -> list[str]:
+        proc = subprocess.run(["make", "-n", "-B", "install", f"VENV={tmp_path}/venv", *args],
+                              cwd=REPO, capture_output=True, text=True, check=True)
+        lines = proc.stdout.replace("\\\n", " ").splitlines()  # join continued lines
+        return [line for line in lines if "pip install" in line]
+
+    index = "https://download.pytorch.org/whl/cpu"
+    installs = pip_installs(f"TORCH_INDEX={index}")
+    assert [line for line in installs if "--index-url" in line] == \
+        [line for line in installs if "torch==2.13.0" in line]
+    assert f'--index-url "{index}"' in installs[1] and "torch==2.13.0" in installs[1]
+    assert not any("--index-url" in line for line in pip_installs())
