@@ -22,13 +22,13 @@ import time
 import torch
 
 from experiments.cluster import ray_session
+from experiments.config import RayExperiment, load_experiment
 from experiments.train import build_trainer, checked_for_workers
-from gptcore.config import ExperimentConfig, load_config
 from gptcore.train import Trainer
 
 
-def config(data: str, steps: int, *overrides: str) -> ExperimentConfig:
-    return checked_for_workers(load_config("experiments/configs/quickstart.toml", [
+def config(data: str, steps: int, *overrides: str) -> RayExperiment:
+    return checked_for_workers(load_experiment("experiments/configs/quickstart.toml", [
         f'data.dir="{data}"', f"train.max_steps={steps}", "train.log_interval=10",
         "train.eval_interval=10", "train.eval_tokens=2048", "train.keep_checkpoints=0",
         *overrides]))
@@ -40,14 +40,14 @@ def steady(reports: list[dict]) -> tuple[float, float]:
             statistics.median(m["mfu"] for m in reports[1:]))
 
 
-def bare_tokens_per_sec(cfg: ExperimentConfig) -> tuple[float, float]:
+def bare_tokens_per_sec(cfg: RayExperiment) -> tuple[float, float]:
     torch.set_num_threads(max(1, int(cfg.resources.cpus_per_worker)))
     reports: list[dict] = []
     Trainer(cfg, log=None).fit(lambda metrics, state: reports.append(dict(metrics)))
     return steady(reports)
 
 
-def ray_tokens_per_sec(cfg: ExperimentConfig, storage: str, name: str) -> tuple[float, float, float]:
+def ray_tokens_per_sec(cfg: RayExperiment, storage: str, name: str) -> tuple[float, float, float]:
     """(steady tokens/s and MFU from rank 0's reports; seconds of fit() that were not training
     steps: start-up, evaluation, checkpoints, shutdown)."""
     start = time.perf_counter()

@@ -1,16 +1,17 @@
 """Sweep efficiency: the best validation loss that TPE + ASHA, random search and a 3x3x2 grid find
-with equal compute on one fixed tiny task, and how much of the wall-clock x workers was spent in
-training steps (utilization).
+on one fixed tiny task, with how much of the wall-clock x workers was spent in training steps
+(utilization), over several seeds per method.
 
     python benchmarks/sweep_efficiency.py --data data/shakespeare [--trials 18] [--steps 60]
+                                          [--seeds 3]
     python benchmarks/sweep_efficiency.py --utilization sweeps/demo     # an existing sweep
 
 Equal compute means equal training tokens: the grid and random search run `--trials` full trials;
 TPE + ASHA may start more trials (ASHA stops most early) until a Tune Stopper sees the same total
-token count. The task is the quickstart recipe shrunk (2 layers, d 64, seq 64) so that a run of all
-three fits in about 35 minutes on 2 cores; every trial has the same seed and data, so the
-methods differ only in which configs they try. One run of each method: the ranking between close
-methods is itself noisy.
+token count. `tpe+asha/3` is TPE + ASHA given a third of those tokens: does it reach the grid's
+best within seed noise in a third of the time? The task is the quickstart recipe shrunk (2
+layers, d 64, seq 64). Seed k sets the searcher's seed and the training seed (init, data order)
+of every trial, so the spread of a method's best loss over seeds includes both.
 
 Utilization = sum over trials of the time in training steps (tokens / the reported training-window
 tokens/s) / (wall-clock x concurrent workers). Ray start-up of each trial (~tens of seconds here),
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -29,19 +31,21 @@ from typing import Any
 
 from ray.tune.stopper import Stopper
 
+from experiments.budget import concurrency, trial_tokens
 from experiments.cluster import local_resources, ray_session
+from experiments.config import RayExperiment, load_experiment
+from experiments.experiment import start_experiment
 from experiments.results import load_analysis, load_trials
-from experiments.space import Space, parse_space
-from experiments.sweep import build_tuner, concurrency, search_config, start_experiment, trial_tokens
+from experiments.space import Space, apply_overrides, parse_space
 from experiments.train import checked_for_workers
-from gptcore.config import ExperimentConfig, load_config
+from experiments.tuner import new_tuner, search_config
 
 GRID = {"optim.lr": [3e-4, 3e-3, 3e-2], "optim.weight_decay": [0.0, 0.017, 0.3],
         "optim.warmup": [0.05, 0.25]}  # 3 x 3 x 2 over the quickstart's search space
 
 
-def task(data: str, steps: int, trials: int) -> ExperimentConfig:
-    return checked_for_workers(load_config("experiments/configs/quickstart.toml", [
+def task(data: str, steps: int, trials: int) -> RayExperiment:
+    return checked_for_workers(load_experiment("experiments/configs/quickstart.toml", [
         f'data.dir="{data}"', "model.n_layer=2", "model.n_head=2", "model.n_kv_head=2",
         "model.d_model=64", "model.seq_len=64", f"train.max_steps={steps}",
         f"train.eval_interval={steps // 4}", "train.eval_tokens=16384", "train.log_interval=1000",
@@ -64,18 +68,19 @@ class TokenBudget(Stopper):
         return sum(self.tokens.values()) >= self.budget
 
 
-def run_method(name: str, cfg: ExperimentConfig, space: Space, root: Path, width: int) -> dict:
+def run_method(name: str, cfg: RayExperiment, space: Space, root: Path, width: int) -> dict:
     import optuna
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
 
-    exp_dir = root / name
+    exp_dir = root / f"{name.replace('/', '-')}-seed{cfg.sweep.seed}"
     start_experiment(exp_dir, cfg, {"max_concurrent": width})
     param_space, stop = None, None
-    if name == "tpe+asha":
-        tune_config = search_config(cfg, space, name)
+    if name.startswith("tpe+asha"):
+        share = 1 / 3 if name.endswith("/3") else 1.0
+        tune_config = search_config(cfg, space, exp_dir)
         tune_config.num_samples = 10 * cfg.sweep.num_samples  # the Stopper ends it first
-        stop = TokenBudget(cfg.sweep.num_samples * trial_tokens(cfg))
+        stop = TokenBudget(share * cfg.sweep.num_samples * trial_tokens(cfg))
     elif name == "random":
         searcher = OptunaSearch(space=space.suggest, metric="val_loss", mode="min",
                                 sampler=optuna.samplers.RandomSampler(seed=cfg.sweep.seed))
@@ -84,8 +89,8 @@ def run_method(name: str, cfg: ExperimentConfig, space: Space, root: Path, width
         param_space = {k: tune.grid_search(v) for k, v in GRID.items()}
         tune_config = tune.TuneConfig()
     start = time.perf_counter()
-    build_tuner(cfg, space, exp_dir, width, tune_config=tune_config, param_space=param_space,
-                stop=stop).fit()
+    new_tuner(cfg, space, exp_dir, width, tune_config=tune_config, param_space=param_space,
+              stop=stop).fit()
     wall = time.perf_counter() - start
     return {"name": name, "wall": wall, **measure(exp_dir, width * cfg.resources.workers, wall)}
 
@@ -118,41 +123,59 @@ def main() -> None:
     parser.add_argument("--data", default="data/shakespeare")
     parser.add_argument("--trials", type=int, default=18, help="full trials of grid / random")
     parser.add_argument("--steps", type=int, default=60, help="steps per full trial")
-    parser.add_argument("--methods", default="tpe+asha,random,grid")
+    parser.add_argument("--methods", default="tpe+asha,tpe+asha/3,random,grid")
+    parser.add_argument("--seeds", type=int, default=3, help="runs of each method (seeds 0..N-1)")
     parser.add_argument("--utilization", metavar="EXPERIMENT_DIR", default=None,
                         help="only measure the utilization of an existing sweep")
     args = parser.parse_args()
     if args.utilization:
         exp_dir = Path(args.utilization).resolve()
-        cfg = load_config(exp_dir / "gptrun.toml")
+        cfg = load_experiment(exp_dir / "gptrun.toml")
         width = json.loads((exp_dir / "sweep.json").read_text())["max_concurrent"]
         m = measure(exp_dir, width * cfg.resources.workers)
         print(f"{exp_dir.name}: {m['trials']} trials, {width} at a time, wall {m['span']:.0f} s "
               f"(first trial start to last report), {m['train_s']:.0f} s in training steps: "
               f"utilization {m['utilization']:.1%}")
         return
-    cfg = task(args.data, args.steps, args.trials)
-    space = parse_space(cfg)
-    width = concurrency(cfg, *local_resources(extra_cpus=1))
+    base = task(args.data, args.steps, args.trials)
+    space = parse_space(base)
+    width = concurrency(base, *local_resources())
+    names = args.methods.split(",")
     print(f"task: quickstart shrunk to 2 layers, d 64, seq 64; {args.steps} steps = "
-          f"{trial_tokens(cfg):,} tokens per full trial; budget {args.trials} full trials = "
-          f"{args.trials * trial_tokens(cfg):,} tokens; {width} trials at a time")
-    results = []
-    with ray_session(extra_local_cpus=1), tempfile.TemporaryDirectory() as root:
-        for name in args.methods.split(","):
-            results.append(run_method(name, cfg, space, Path(root), width))
-            r = results[-1]
-            print(f"  {name}: best {r['best']:.4f} in {r['wall']:.0f} s", flush=True)
-    print(f"{'method':>9}  {'best val loss':>13}  {'trials':>6}  {'tokens':>10}  {'wall s':>7}  "
-          f"{'utilization':>11}")
-    for r in results:
-        print(f"{r['name']:>9}  {r['best']:13.4f}  {r['trials']:6d}  {r['tokens']:10,.0f}  "
-              f"{r['wall']:7.0f}  {r['utilization']:11.1%}")
-    baseline = next((r for r in results if r["name"] == "random"), None)
-    for r in results:
-        if baseline and r is not baseline:
-            print(f"{r['name']} vs random: {baseline['best'] - r['best']:+.4f} nats better, "
-                  f"{r['tokens'] / baseline['tokens']:.2f}x the tokens")
+          f"{trial_tokens(base):,} tokens per full trial; budget {args.trials} full trials = "
+          f"{args.trials * trial_tokens(base):,} tokens; {width} trials at a time; "
+          f"seeds {list(range(args.seeds))}")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    with ray_session(), tempfile.TemporaryDirectory() as root:
+        for seed in range(args.seeds):  # seeds outermost: a drift in machine load hits all methods
+            cfg = apply_overrides(base, {"sweep.seed": seed, "train.seed": base.train.seed + seed})
+            for name in names:
+                r = run_method(name, cfg, space, Path(root), width)
+                runs[name].append(r)
+                print(f"  seed {seed} {name}: best {r['best']:.4f}, {r['trials']} trials, "
+                      f"{r['wall']:.0f} s, utilization {r['utilization']:.1%}", flush=True)
+    print(f"{'method':>10}  {'best val loss (mean +- std)':>27}  {'trials':>6}  {'tokens':>10}  "
+          f"{'wall s':>7}  {'utilization':>11}")
+    for name, rs in runs.items():
+        best = [r["best"] for r in rs]
+        print(f"{name:>10}  {statistics.fmean(best):18.4f} +- {_std(best):.4f}  "
+              f"{statistics.fmean(r['trials'] for r in rs):6.1f}  "
+              f"{statistics.fmean(r['tokens'] for r in rs):10,.0f}  "
+              f"{statistics.fmean(r['wall'] for r in rs):7.0f}  "
+              f"{statistics.fmean(r['utilization'] for r in rs):11.1%}")
+    if "grid" in runs:
+        grid = runs["grid"]
+        for name, rs in runs.items():
+            if name == "grid":
+                continue
+            gap = statistics.fmean(r["best"] for r in rs) - statistics.fmean(r["best"] for r in grid)
+            walls = statistics.fmean(r["wall"] for r in rs) / statistics.fmean(r["wall"] for r in grid)
+            print(f"{name} vs grid: {gap:+.4f} nats (seed std {_std([r['best'] for r in rs]):.4f}"
+                  f" vs {_std([r['best'] for r in grid]):.4f}), {walls:.2f}x the wall-clock")
+
+
+def _std(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else math.nan
 
 
 if __name__ == "__main__":

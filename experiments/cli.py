@@ -7,8 +7,10 @@ run time. Heavy imports (torch, ray) happen inside the handlers so that `--help`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from gptcore.errors import DivergedError, UserError
 
@@ -95,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables nucleus sampling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="recompute the prefix every token")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep sampling past <|endoftext|> (the end of a training document)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json (default: the one in the checkpoint's data folder)")
     p.add_argument("--device", default="auto")
@@ -158,7 +162,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from gptcore.config import load_config
+    from experiments.config import load_experiment
 
     overrides = list(args.overrides)
     if args.data:
@@ -169,7 +173,7 @@ def _train(args: argparse.Namespace) -> int:
                       ("cpus_per_worker", "cpus_per_worker")):
         if getattr(args, flag) is not None:
             overrides.append(f"resources.{key}={getattr(args, flag)}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_experiment(args.config, overrides)
     if args.local:
         from gptcore.run import train_local
 
@@ -186,7 +190,8 @@ def _sample(args: argparse.Namespace) -> int:
 
     sample_cli(args.checkpoint, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-               use_cache=not args.no_cache, tokenizer=args.tokenizer, device=args.device)
+               use_cache=not args.no_cache, tokenizer=args.tokenizer, device=args.device,
+               ignore_eos=args.ignore_eos)
     return 0
 
 
@@ -198,16 +203,33 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from experiments.sweep import sweep_cli
+    from experiments.cluster import ray_session
+    from experiments.sweep import plan_sweep, run_sweep
 
-    return sweep_cli(args.config, args.overrides, name=args.name, storage=args.storage,
-                     address=args.address, restart=args.restart)
+    plan = plan_sweep(args.config, args.overrides, name=args.name, storage=args.storage,
+                      restart=args.restart, address=args.address)
+    with ray_session(args.address, extra_local_cpus=plan.extra_local_cpus):
+        return _then_confirm(run_sweep(plan), plan)
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from experiments.sweep import resume_cli
+    from experiments.cluster import ray_session
+    from experiments.sweep import plan_resume, run_resume
 
-    return resume_cli(args.experiment_dir, address=args.address)
+    plan = plan_resume(args.experiment_dir)
+    with ray_session(args.address, extra_local_cpus=plan.extra_local_cpus):
+        return _then_confirm(run_resume(plan), plan)
+
+
+def _then_confirm(status: int, plan: Any) -> int:
+    """With `sweep.confirm_top`, the noise check runs after a successful search, in its session."""
+    top = plan.cfg.sweep.confirm_top
+    if status != 0 or not top:
+        return status
+    from experiments.confirm import confirm, confirm_plan
+
+    confirm_run = confirm_plan(plan.exp_dir, plan.cfg, top, plan.cfg.sweep.confirm_seeds)
+    return confirm(plan.exp_dir, plan.cfg, confirm_run, restart=False)
 
 
 def _confirm(args: argparse.Namespace) -> int:
@@ -228,6 +250,11 @@ def _toml_str(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Each log line of a Ray worker or trial once, in order: Ray's deduplication would hold
+    # repeated-looking progress lines back and print them later as "[repeated Nx]".
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray Train routes a worker's print() through its logger, which prints it a second time.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler

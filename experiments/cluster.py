@@ -258,11 +258,6 @@ def create_storage(storage: str) -> None:
             raise UserError(f"--storage {storage}: {err.strerror or err}") from None
 
 
-def resolve_storage(storage: str | None, default: str) -> str:
-    """Deprecated name of `check_storage` (it no longer creates the folder)."""
-    return check_storage(storage, default)
-
-
 def verify_shared_storage(storage: str, timeout: float | None = None) -> None:
     """On a multi-node cluster, check that every alive node sees the local path `storage`
     (an NFS mount at the same path), by writing a marker here and reading it from a zero-CPU

@@ -26,13 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.budget import local_extra_cpus
 from experiments.cluster import ray_session
+from experiments.config import RayExperiment, load_experiment
+from experiments.experiment import start_experiment
 from experiments.results import fmt_value, load_trials, short_params
 from experiments.space import parse_space
-from experiments.sweep import build_tuner, start_experiment
 from experiments.table import print_columns
+from experiments.tuner import new_tuner, restore_tuner
 from gptcore.atomic import write_text_atomic
-from gptcore.config import ExperimentConfig, load_config
 from gptcore.errors import UserError
 
 ALPHA = 0.05
@@ -55,7 +57,7 @@ class Candidates:
 def confirm_cli(experiment_dir: str, *, top: int, seeds: int, address: str | None,
                 restart: bool) -> int:
     exp_dir = Path(experiment_dir).expanduser().resolve()
-    cfg = load_config(exp_dir / "gptrun.toml") if (exp_dir / "gptrun.toml").exists() else None
+    cfg = load_experiment(exp_dir / "gptrun.toml") if (exp_dir / "gptrun.toml").exists() else None
     if cfg is None:
         raise UserError(f"{exp_dir} is not a gptrun sweep folder (no gptrun.toml); pass the "
                         "folder that `gptrun sweep` printed")
@@ -64,11 +66,11 @@ def confirm_cli(experiment_dir: str, *, top: int, seeds: int, address: str | Non
                         "needs two runs)")
     plan = confirm_plan(exp_dir, cfg, top, seeds)  # before Ray starts: bad input, no Ray
     _can_restore(exp_dir / CONFIRM_DIR, plan, restart)
-    with ray_session(address, extra_local_cpus=1):
+    with ray_session(address, extra_local_cpus=local_extra_cpus(cfg)):
         return confirm(exp_dir, cfg, plan, restart=restart)
 
 
-def confirm_plan(exp_dir: Path, cfg: ExperimentConfig, top: int, seeds: int) -> dict[str, Any]:
+def confirm_plan(exp_dir: Path, cfg: RayExperiment, top: int, seeds: int) -> dict[str, Any]:
     """The candidates (the `top` best trials) and the new seeds."""
     ranked = ranked_trials(load_trials(exp_dir))
     if not ranked:
@@ -83,10 +85,11 @@ def confirm_plan(exp_dir: Path, cfg: ExperimentConfig, top: int, seeds: int) -> 
 def ranked_trials(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Completed trials by loss, then the ones ASHA stopped early by loss (their loss is at fewer
     tokens, so it only ranks them among themselves); errors and diverged runs are left out."""
-    return [t for status in ("completed", "stopped early") for t in trials if t["status"] == status]
+    return [t for status in ("completed", "stopped early", "cut by budget") for t in trials
+            if t["status"] == status]
 
 
-def confirm(exp_dir: Path, cfg: ExperimentConfig, plan: dict[str, Any], *, restart: bool) -> int:
+def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart: bool) -> int:
     """Run (or resume) the confirm experiment inside a Ray session; write and print the noise."""
     from ray import tune
 
@@ -104,11 +107,13 @@ def confirm(exp_dir: Path, cfg: ExperimentConfig, plan: dict[str, Any], *, resta
           f"{n_runs} runs at full budget{' (resuming)' if restore else ''}")
     if not restore:
         start_experiment(conf_dir, cfg, {**meta, **plan})
-    tuner = build_tuner(
-        cfg, candidates, conf_dir, width, restore=restore, tune_config=tune.TuneConfig(),
-        param_space={"candidate": tune.grid_search(plan["candidates"]),
-                     "train.seed": tune.grid_search(plan["seeds"])},
-        tracking_name=f"{exp_dir.name}-confirm")
+    if restore:
+        tuner = restore_tuner(cfg, candidates, conf_dir)
+    else:
+        tuner = new_tuner(cfg, candidates, conf_dir, width, tune_config=tune.TuneConfig(),
+                          param_space={"candidate": tune.grid_search(plan["candidates"]),
+                                       "train.seed": tune.grid_search(plan["seeds"])},
+                          tracking_name=f"{exp_dir.name}-confirm")
     tuner.fit()
     noise = measure_noise(sweep_trials, load_trials(conf_dir), plan)
     write_text_atomic(exp_dir / NOISE_FILE, json.dumps(noise, indent=1))

@@ -7,34 +7,27 @@ import math
 import os
 import time
 
+from experiments.budget import (
+    asha_rungs,
+    concurrency,
+    expected_tokens,
+    grace_tokens,
+    is_lean,
+    local_extra_cpus,
+    trial_footprint,
+    trial_tokens,
+)
+from experiments.config import RayExperiment, load_experiment, parse_duration
 from experiments.space import parse_space
-from experiments.sweep import TRIAL_DRIVER_CPU, concurrency, grace_tokens, trial_tokens
-from gptcore.config import ExperimentConfig, load_config, parse_duration
 from gptcore.errors import UserError
 
-TRIAL_STARTUP_S = 30.0  # Ray Train worker-group start-up per trial, measured on a 2-core machine
+# Per-trial start-up measured on a 2-core machine: a 1-worker trial trains in its (reused) Tune
+# process; a DDP trial starts a Ray Train worker group.
+LEAN_STARTUP_S, DDP_STARTUP_S = 3.0, 30.0
 PROBE_STEPS = 8
 
 
-def asha_rungs(grace: int, max_t: int, reduction_factor: int) -> list[int]:
-    """The token counts at which ASHA compares trials, ending with the full budget."""
-    rungs, milestone = [], grace
-    while milestone < max_t:
-        rungs.append(milestone)
-        milestone *= reduction_factor
-    return [*rungs, max_t]
-
-
-def expected_tokens(num_samples: int, rungs: list[int], reduction_factor: int) -> float:
-    """Tokens trained if ASHA promotes 1/reduction_factor of the trials at every rung."""
-    total, previous = 0.0, 0
-    for k, milestone in enumerate(rungs):
-        total += num_samples / reduction_factor ** k * (milestone - previous)
-        previous = milestone
-    return total
-
-
-def probe_tokens_per_sec(cfg: ExperimentConfig) -> float:
+def probe_tokens_per_sec(cfg: RayExperiment) -> float:
     """Time a few real training steps of one worker in this process (after one warm-up step)."""
     import torch
 
@@ -56,10 +49,12 @@ def probe_tokens_per_sec(cfg: ExperimentConfig) -> float:
 
 def plan_cli(config: str, overrides: list[str], *, tokens_per_sec: float | None,
              cpus: float | None, gpus: float | None) -> int:
-    cfg = load_config(config, overrides)
+    cfg = load_experiment(config, overrides)
     space = parse_space(cfg)
+    if cfg.sweep.baseline:
+        space.baseline(cfg)  # the sweep would refuse a baseline outside its space: so does the plan
     if cpus is None:  # a local instance, as `gptrun sweep` starts it
-        cpus = (os.cpu_count() or 1) + 1
+        cpus = (os.cpu_count() or 1) + local_extra_cpus(cfg)
     if gpus is None:
         import torch
 
@@ -67,9 +62,11 @@ def plan_cli(config: str, overrides: list[str], *, tokens_per_sec: float | None,
     res = cfg.resources
     width = concurrency(cfg, cpus, gpus)
     if width == 0:
-        raise UserError(f"one trial needs {res.workers * res.cpus_per_worker + TRIAL_DRIVER_CPU:g}"
-                        f" CPUs and {res.workers * res.gpus_per_worker:g} GPUs but the cluster has "
-                        f"{cpus:g} CPUs and {gpus:g} GPUs")
+        need_cpus, need_gpus = trial_footprint(cfg)
+        raise UserError(f"one trial needs {need_cpus:g} CPUs and {need_gpus:g} GPUs but the "
+                        f"cluster has {cpus:g} CPUs and {gpus:g} GPUs")
+    if tokens_per_sec is not None and not tokens_per_sec > 0:
+        raise UserError(f"--tokens-per-sec={tokens_per_sec:g} must be > 0 (a trial's throughput)")
     if tokens_per_sec is None:
         tokens_per_sec = probe_tokens_per_sec(cfg) * res.workers
         source = f"measured: {PROBE_STEPS} steps here"
@@ -77,11 +74,12 @@ def plan_cli(config: str, overrides: list[str], *, tokens_per_sec: float | None,
         source = "given"
     n, rf = cfg.sweep.num_samples, cfg.sweep.reduction_factor
     max_t = trial_tokens(cfg)
-    rungs = asha_rungs(min(grace_tokens(cfg), max_t), max_t, rf)
+    rungs = asha_rungs(grace_tokens(cfg), max_t, rf)
     tokens = expected_tokens(n, rungs, rf)
     waves = math.ceil(n / width)
-    wall = tokens / (tokens_per_sec * width) + waves * TRIAL_STARTUP_S
-    full_wall = n * max_t / (tokens_per_sec * width) + waves * TRIAL_STARTUP_S
+    startup = LEAN_STARTUP_S if is_lean(cfg) else DDP_STARTUP_S
+    wall = tokens / (tokens_per_sec * width) + waves * startup
+    full_wall = n * max_t / (tokens_per_sec * width) + waves * startup
     per_trial_gpus, per_trial_cpus = res.workers * res.gpus_per_worker, res.workers * res.cpus_per_worker
     print(f"plan for {config}")
     print(f"  search       {', '.join(p.key for p in space.params)}"
@@ -92,7 +90,7 @@ def plan_cli(config: str, overrides: list[str], *, tokens_per_sec: float | None,
     print(f"  ASHA rungs   {', '.join(f'{r:,}' for r in rungs)} tokens (reduction factor {rf})")
     print(f"  tokens       ~{tokens:,.0f} with ASHA, {n * max_t:,} without")
     print(f"  wall-clock   ~{_hours(wall)} with ASHA (~{_hours(full_wall)} without), including "
-          f"{TRIAL_STARTUP_S:.0f}s start-up per trial")
+          f"{startup:.0f}s start-up per trial")
     used = wall * width / 3600
     print(f"  cost         ~{used * per_trial_gpus:.2f} GPU-hours, "
           f"~{used * per_trial_cpus:.2f} CPU-hours")

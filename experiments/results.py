@@ -10,55 +10,88 @@ import math
 from pathlib import Path
 from typing import Any
 
-from experiments.space import ZERO_SUFFIX
+from experiments.config import RayExperiment
+from experiments.experiment import META_FILE, is_experiment, read_events
+from experiments.space import ZERO_SUFFIX, Space, apply_overrides
 from experiments.table import print_columns
 from gptcore.errors import UserError
 
-STATUS_ORDER = ("completed", "stopped early", "diverged", "error", "unfinished")
+STATUS_ORDER = ("completed", "stopped early", "cut by budget", "diverged", "error", "unfinished")
 
 
 def load_analysis(exp_dir: Path) -> Any:
     from ray.tune import ExperimentAnalysis
 
-    if not (exp_dir / "gptrun.toml").exists() or not list(exp_dir.glob("experiment_state-*.json")):
+    if not is_experiment(exp_dir) or not list(exp_dir.glob("experiment_state-*.json")):
         raise UserError(f"{exp_dir} is not a gptrun sweep folder (no gptrun.toml / Tune state); "
                         "pass the folder that `gptrun sweep` printed")
     return ExperimentAnalysis(str(exp_dir.resolve()))  # Ray reads a relative path as a URI
 
 
-def trial_status(tune_status: str, last: dict[str, Any], max_tokens: float) -> str:
-    if last.get("error"):
+def trial_status(tune_status: str, last: dict[str, Any], max_tokens: float,
+                 asha_stopped: bool) -> str:
+    """completed (full budget), stopped early (by ASHA), cut by budget (the sweep's time budget
+    ended it), diverged, error, or unfinished (running, or interrupted and not yet resumed)."""
+    if last.get("error") or tune_status == "ERROR":
         return "error"
     if last.get("diverged"):
         return "diverged"
-    if tune_status == "ERROR":
-        return "error"
     if tune_status != "TERMINATED":
         return "unfinished"
-    return "completed" if last.get("tokens", 0) >= max_tokens else "stopped early"
+    if last.get("tokens", 0) >= max_tokens:
+        return "completed"
+    return "stopped early" if asha_stopped else "cut by budget"
 
 
 def load_trials(exp_dir: Path) -> list[dict[str, Any]]:
-    """One dict per trial, best first: id, sampled config, status, losses, tokens, checkpoint."""
+    """One dict per trial, best first: id, sampled config, status, losses, tokens, checkpoint,
+    node, and its fixed cost (seconds from its process being ready to its first step, and from
+    its last report to its end)."""
     exp_dir = Path(exp_dir)
     analysis = load_analysis(exp_dir)
-    max_tokens = json.loads((exp_dir / "sweep.json").read_text())["trial_tokens"]
+    max_tokens = json.loads((exp_dir / META_FILE).read_text())["trial_tokens"]
+    events = read_events(exp_dir)
+    asha = {e["trial_id"] for e in events if e["event"] == "asha_stop"}
     trials = []
     for trial in analysis.trials:
         last = trial.last_result or {}
-        status = trial_status(trial.status, last, max_tokens)
+        status = trial_status(trial.status, last, max_tokens, trial.trial_id in asha)
         val = last.get("val_loss", math.nan)
+        checkpoint = last.get("checkpoint_path") or (trial.checkpoint.path if trial.checkpoint
+                                                      else "")
         trials.append({
             "trial_id": trial.trial_id, "config": dict(trial.config), "status": status,
             "val_loss": val if status not in ("diverged", "error") else math.nan,
             "best_val_loss": last.get("best_val_loss", math.nan),
             "val_bpb": last.get("val_bpb", math.nan), "tokens": last.get("tokens", 0.0),
             "step": last.get("step", 0.0), "wall_s": last.get("time_total_s", 0.0),
-            "checkpoint": last.get("checkpoint_path", ""), "reason": last.get("reason", ""),
-            "path": trial.path,
+            "checkpoint": checkpoint, "reason": last.get("reason", ""),
+            "node_id": last.get("node_id", ""), "path": trial.path,
+            **_fixed_cost(trial.trial_id, events, last),
         })
     trials.sort(key=lambda t: (math.isnan(t["val_loss"]), t["val_loss"]))
     return trials
+
+
+def _fixed_cost(trial_id: str, events: list[dict[str, Any]], last: dict[str, Any]
+                ) -> dict[str, float]:
+    """Start-up: the trial's last start event to its `fit_start_unix` (the loop's first step);
+    wind-down: its last report to its end event. NaN where an event is missing."""
+    mine = [e for e in events if e["trial_id"] == trial_id]
+    starts = [e["unix"] for e in mine if e["event"] == "start"]
+    ends = [e["unix"] for e in mine if e["event"] == "end"]
+    fit_start, reported = last.get("fit_start_unix"), last.get("report_unix")
+    startup = fit_start - starts[-1] if starts and fit_start and fit_start >= starts[-1] else math.nan
+    winddown = ends[-1] - reported if ends and reported and ends[-1] >= reported else math.nan
+    return {"startup_s": startup, "winddown_s": winddown}
+
+
+def best_config(cfg: RayExperiment, space: Space, trial: dict[str, Any], name: str
+                ) -> RayExperiment:
+    """The base config with a trial's values: a complete config that trains it at full length
+    (into `runs/NAME-best`). What `best.toml` holds, for the sweep and the report alike."""
+    best = apply_overrides(cfg, space.overrides(trial["config"]))
+    return apply_overrides(best, {"train.out": f"runs/{name}-best"})
 
 
 def load_curves(exp_dir: Path) -> list[dict[str, Any]]:
@@ -88,22 +121,35 @@ def short_params(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_table(trials: list[dict[str, Any]]) -> None:
-    """The terminal table: rank, hyperparameters, tokens, losses, status, wall time."""
+    """The terminal table: rank, hyperparameters, tokens, losses, status, wall time, node; then
+    the reason of each trial that has one (an error, a divergence)."""
     if not trials:
         print("no trials yet")
         return
     keys = sorted({k for t in trials for k in short_params(t["config"])})
-    header = ["#", *keys, "tokens", "val_loss", "best", "bpb", "status", "wall"]
+    header = ["#", *keys, "tokens", "val_loss", "best", "bpb", "status", "wall", "node"]
     rows = []
     for rank, t in enumerate(trials, 1):
         params = short_params(t["config"])
         rows.append([str(rank), *(fmt_value(params.get(k, "")) for k in keys),
                      f"{t['tokens']:,.0f}", fmt_value(t["val_loss"]), fmt_value(t["best_val_loss"]),
-                     fmt_value(t["val_bpb"]), t["status"], f"{t['wall_s']:.0f}s"])
+                     fmt_value(t["val_bpb"]), t["status"], f"{t['wall_s']:.0f}s",
+                     t["node_id"][:8] or "-"])
     print_columns(header, rows)
     for t in trials:
         if t["reason"]:
             print(f"  {t['trial_id']} {t['status']}: {t['reason']}")
+
+
+def print_trial_costs(trials: list[dict[str, Any]]) -> None:
+    """Each trial's fixed cost: what it spent outside training besides evaluation."""
+    measured = [t for t in trials if not math.isnan(t["startup_s"])]
+    if not measured:
+        return
+    print("fixed cost per trial (trial start -> training loop | last report -> trial end):")
+    for t in sorted(measured, key=lambda t: t["trial_id"]):
+        print(f"  {t['trial_id']}: start-up {t['startup_s']:.2f}s | wind-down "
+              f"{t['winddown_s']:.2f}s")
 
 
 def fmt_value(value: Any) -> str:

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from gptcore.config import ExperimentConfig, config_from_dict
+from experiments.config import RayExperiment, experiment_from_dict
 from gptcore.errors import UserError
 
 ALIASES = {name: f"optim.{name}" for name in
@@ -64,7 +64,7 @@ class Space:
             else:
                 trial.suggest_categorical(p.key, list(p.choices))
 
-    def baseline(self, cfg: ExperimentConfig) -> dict[str, Any]:
+    def baseline(self, cfg: RayExperiment) -> dict[str, Any]:
         """The config's own values as an Optuna point: the trial every sweep should beat."""
         point: dict[str, Any] = {}
         for p in self.params:
@@ -92,7 +92,7 @@ class Space:
         return values
 
 
-def parse_space(cfg: ExperimentConfig) -> Space:
+def parse_space(cfg: RayExperiment) -> Space:
     raw = cfg.sweep.space
     if not raw:
         raise UserError("[sweep.space] is empty; add e.g. lr = { loguniform = [1e-4, 1e-2] }")
@@ -142,16 +142,16 @@ def _parse_param(key: str, spec: dict[str, Any], current: Any) -> Param:
     return Param(key, kind, low, high, include_zero=include_zero)
 
 
-def apply_overrides(cfg: ExperimentConfig, values: dict[str, Any]) -> ExperimentConfig:
+def apply_overrides(cfg: RayExperiment, values: dict[str, Any]) -> RayExperiment:
     """A new, validated config with `section.key` values replaced."""
     raw = cfg.to_dict()
     for key, value in values.items():
         section, _, leaf = key.partition(".")
         raw[section][leaf] = value
-    return config_from_dict(raw)
+    return experiment_from_dict(raw)
 
 
-def _get(cfg: ExperimentConfig, key: str) -> Any:
+def _get(cfg: RayExperiment, key: str) -> Any:
     section, _, leaf = key.partition(".")
     obj = getattr(cfg, section, None) if leaf else None
     if obj is None or section == "sweep" or not dataclasses.is_dataclass(obj) \

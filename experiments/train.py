@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from experiments.cluster import (
     check_fits,
+    check_storage,
+    create_storage,
     is_local,
     local_resources,
     ray_session,
     require_resources,
-    resolve_storage,
+    verify_shared_storage,
 )
+from experiments.config import RayExperiment, experiment_from_dict
 from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from gptcore.config import ExperimentConfig, config_from_dict
 from gptcore.errors import DivergedError, UserError
 from gptcore.train import open_data
 
@@ -36,7 +40,7 @@ def worker_loop(loop_config: dict[str, Any]) -> dict[str, str]:
     from gptcore.tracking import TensorBoardLog
     from gptcore.train import Trainer
 
-    cfg = config_from_dict(loop_config["config"])
+    cfg = experiment_from_dict(loop_config["config"])
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(loop_config["cpus_per_worker"])))
@@ -55,24 +59,20 @@ def worker_loop(loop_config: dict[str, Any]) -> dict[str, str]:
                                        None else None)
 
     trainer = Trainer(cfg, rank=rank, world_size=world_size, device=device, wrap=wrap)
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as folder:
-            trainer.load_state_dict(load_checkpoint(Path(folder) / CHECKPOINT_FILE))
-        trainer.log(f"resumed from checkpoint at step {trainer.step}/{trainer.total_steps}")
+    try:
+        resume(trainer, ray.train.get_checkpoint())
+    except UserError as err:  # another length or shape: a retry would fail the same way
+        return {"status": "refused", "reason": str(err)}
     tensorboard = TensorBoardLog(loop_config["tensorboard_dir"]) \
         if rank == 0 and loop_config["tensorboard_dir"] else None
+    extra = {"node_id": ray.get_runtime_context().get_node_id(), "world_size": float(world_size),
+             "fit_start_unix": time.time()}
+    report = checkpoint_reporter(ray.train.report, ray.train.Checkpoint, extra)
 
     def on_report(metrics: dict[str, float], state: dict[str, Any] | None) -> None:
-        metrics = {**metrics, "world_size": float(world_size)}
         if tensorboard is not None:
             tensorboard.log(metrics)
-        if state is None or rank != 0:
-            ray.train.report(metrics)
-            return
-        with tempfile.TemporaryDirectory() as folder:
-            save_checkpoint(Path(folder) / CHECKPOINT_FILE, state)
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+        report(metrics, state if rank == 0 else None)  # rank 0 writes the checkpoint
 
     try:
         trainer.fit(on_report)
@@ -86,13 +86,40 @@ def worker_loop(loop_config: dict[str, Any]) -> dict[str, str]:
     return {"status": "completed"}
 
 
-def diverged_loss(cfg: ExperimentConfig) -> float:
+def checkpoint_reporter(report: Callable[..., None], checkpoint_cls: Any,
+                        extra: dict[str, float | str]) -> Callable[[dict[str, float], Any], None]:
+    """gptcore's `on_report` for Ray: metrics plus `extra` (node id, when training started), and
+    the checkpoint when the loop hands one. `report` is `ray.train.report` in a Train worker and
+    `ray.tune.report` in a 1-worker sweep trial; both upload the folder to the run's storage."""
+
+    def on_report(metrics: dict[str, float], state: dict[str, Any] | None) -> None:
+        metrics = {**metrics, **extra, "report_unix": time.time()}
+        if state is None:
+            report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as folder:
+            save_checkpoint(Path(folder) / CHECKPOINT_FILE, state)
+            report(metrics, checkpoint=checkpoint_cls.from_directory(folder))
+
+    return on_report
+
+
+def resume(trainer: Any, checkpoint: Any) -> None:
+    """Load Ray's latest checkpoint (Train's or Tune's) into `trainer`, if there is one."""
+    if checkpoint is None:
+        return
+    with checkpoint.as_directory() as folder:
+        trainer.load_state_dict(load_checkpoint(Path(folder) / CHECKPOINT_FILE))
+    trainer.log(f"resumed from checkpoint at step {trainer.step}/{trainer.total_steps}")
+
+
+def diverged_loss(cfg: RayExperiment) -> float:
     """What a diverged or failed run scores: worse than guessing uniformly over the vocabulary,
     finite so that TPE and ASHA can rank it."""
     return 2 * math.log(cfg.model.vocab_size)
 
 
-def build_trainer(cfg: ExperimentConfig, *, storage: str, name: str, max_failures: int,
+def build_trainer(cfg: RayExperiment, *, storage: str, name: str, max_failures: int,
                   callbacks: list | None = None) -> Any:
     """A `TorchTrainer` for one run; `experiments.sweep` builds one of these per trial."""
     import ray.train
@@ -120,13 +147,13 @@ def build_trainer(cfg: ExperimentConfig, *, storage: str, name: str, max_failure
     )
 
 
-def checked_for_workers(cfg: ExperimentConfig) -> ExperimentConfig:
+def checked_for_workers(cfg: RayExperiment) -> RayExperiment:
     """Check the data in the driver (a bad input would otherwise fail every worker restart) and
     make its path absolute, since workers do not share the driver's working directory."""
     open_data(cfg)
     raw = cfg.to_dict()
     raw["data"]["dir"] = str(Path(cfg.data.dir).expanduser().resolve())
-    return config_from_dict(raw)
+    return experiment_from_dict(raw)
 
 
 def error_chain(err: BaseException) -> list[BaseException]:
@@ -154,12 +181,12 @@ def root_message(err: BaseException) -> str:
     return (lines[-1] if lines else type(cause).__name__)[:300]
 
 
-def train_on_ray(cfg: ExperimentConfig, *, address: str | None, storage: str | None,
+def train_on_ray(cfg: RayExperiment, *, address: str | None, storage: str | None,
                  name: str | None, max_failures: int) -> int:
     import ray
 
     cfg = checked_for_workers(cfg)
-    storage = resolve_storage(storage, "runs")
+    storage = check_storage(storage, "runs")
     name = name or cfg.name
     if max_failures < -1:
         raise UserError(f"--max-failures={max_failures} must be >= -1 (-1 retries forever)")
@@ -169,6 +196,8 @@ def train_on_ray(cfg: ExperimentConfig, *, address: str | None, storage: str | N
         check_fits(*need, f"--workers {res.workers}", local_resources())
     with ray_session(address):
         require_resources(*need, f"--workers {res.workers}")
+        create_storage(storage)
+        verify_shared_storage(storage)  # a resumed worker must find the checkpoints
         print(f"run {name!r} under {storage} ({res.workers} worker(s), "
               f"{res.cpus_per_worker:g} CPU + {res.gpus_per_worker:g} GPU each); rerun the same "
               "command to resume")
@@ -177,8 +206,11 @@ def train_on_ray(cfg: ExperimentConfig, *, address: str | None, storage: str | N
             result = trainer.fit()
         except Exception as err:  # Ray wraps worker errors in TrainingFailedError
             raise_root_cause(err)
-    if (result.return_value or {}).get("status") == "diverged":
-        raise DivergedError(result.return_value["reason"])
+    outcome = result.return_value or {}
+    if outcome.get("status") == "refused":
+        raise UserError(outcome["reason"])
+    if outcome.get("status") == "diverged":
+        raise DivergedError(outcome["reason"])
     best = result.get_best_checkpoint("val_loss", "min")
     metrics = result.metrics or {}
     print(f"done: step {metrics.get('step', 0):.0f}, val loss {metrics.get('val_loss', float('nan')):.4f}"

@@ -126,8 +126,9 @@ def finished_sweep(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) ->
     best configs re-run with 2 new seeds each (`confirm_top`), all logged to MLflow (sqlite).
     Its output is kept in `sweep.log` beside the experiment folder."""
     folder = tmp_path_factory.mktemp("sweep")
+    # One trial at a time: ASHA's decisions, and so the statuses, are the same on every run.
     config = write_sweep_config(tiny_data, folder, n=6, max_steps=24,
-                                sweep_keys="confirm_top = 2\nconfirm_seeds = 2",
+                                sweep_keys="confirm_top = 2\nconfirm_seeds = 2\nmax_concurrent = 1",
                                 tail=f'\n[tracking]\nmlflow_uri = "sqlite:///{folder}/mlflow.db"\n')
     proc = run_cli("sweep", str(config), "--name", "finished", "--storage", str(folder / "sweeps"),
                    timeout=900)

@@ -124,7 +124,7 @@ def test_print_noise_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def _confirm_trial_dirs(exp_dir: Path) -> list[Path]:
-    return sorted(p for p in (exp_dir / "confirm").iterdir() if p.name.startswith("run_trial_"))
+    return sorted(p for p in (exp_dir / "confirm").iterdir() if p.name.startswith("trial_"))
 
 
 @pytest.mark.ray
@@ -196,7 +196,7 @@ def test_mlflow_gets_one_run_per_trial_with_params_and_metrics(finished_sweep: P
 def test_tensorboard_hparams_for_every_trial(finished_sweep: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    trial_dirs = [p for p in finished_sweep.iterdir() if p.name.startswith("run_trial_")]
+    trial_dirs = [p for p in finished_sweep.iterdir() if p.name.startswith("trial_")]
     assert len(trial_dirs) == 6
     for trial_dir in trial_dirs:
         events = EventAccumulator(str(trial_dir))

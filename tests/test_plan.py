@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from experiments.plan import asha_rungs, expected_tokens
+from pathlib import Path
+
+import pytest
+
+from experiments.budget import asha_rungs, expected_tokens
+from experiments.config import load_experiment
+from experiments.space import parse_space
 from tests.conftest import assert_user_error, run_cli, write_sweep_config
+
+SHIPPED = sorted((Path(__file__).parent.parent / "experiments" / "configs").glob("*.toml"))
 
 
 def test_asha_rungs_and_expected_tokens():
@@ -17,9 +25,25 @@ def test_plan_prints_the_cost_and_warns_over_budget(tiny_data, tmp_path):
     config = write_sweep_config(tiny_data, tmp_path, n=6, max_steps=24)
     proc = run_cli("plan", str(config), "--cpus", "4", "--gpus", "0")
     assert proc.returncode == 0, proc.stderr
-    # 1 CPU per trial + 0.01 for its Tune driver: 4 CPUs hold 3 trials.
-    assert "6, 3 at a time" in proc.stdout and "measured" in proc.stdout
+    # A 1-worker trial trains in its own Tune process with 1 CPU: 4 CPUs hold 4 trials.
+    assert "6, 4 at a time" in proc.stdout and "measured" in proc.stdout
     assert "ASHA rungs   768, 2,304, 3,072 tokens" in proc.stdout
     proc = run_cli("plan", str(config), "--tokens-per-sec", "10", "--set", 'sweep.budget="1m"')
     assert proc.returncode == 0 and "warning: the plan needs" in proc.stdout
     assert_user_error(run_cli("plan", str(config), "--cpus", "0.5"), "one trial needs")
+
+
+@pytest.mark.parametrize("config", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_config_loads_sweeps_and_plans(config: Path) -> None:
+    cfg = load_experiment(config)
+    space = parse_space(cfg)
+    assert space.params and space.baseline(cfg)  # its own values lie inside its sweep space
+    proc = run_cli("plan", str(config), "--tokens-per-sec", "100000", "--cpus", "64", "--gpus", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "wall-clock" in proc.stdout and "error" not in proc.stderr
+
+
+def test_plan_refuses_a_baseline_outside_the_space(tiny_data, tmp_path):
+    config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8)
+    proc = run_cli("plan", str(config), "--tokens-per-sec", "10", "--set", "optim.warmup=0.9")
+    assert_user_error(proc, "lies outside its sweep.space range")

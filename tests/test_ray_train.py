@@ -16,8 +16,8 @@ import time
 import pytest
 
 from experiments import cluster
+from experiments.config import load_experiment
 from experiments.train import build_trainer, train_on_ray
-from gptcore.config import load_config
 from gptcore.errors import UserError
 from tests.conftest import REPO, assert_user_error, committed_step, run_cli, tiny_config_text
 
@@ -37,7 +37,7 @@ def ray_local():
 def tiny_cfg(tiny_data, tmp_path, *overrides: str):
     path = tmp_path / "exp.toml"
     path.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
-    return load_config(path, ["train.num_threads=1", *overrides])
+    return load_experiment(path, ["train.num_threads=1", *overrides])
 
 
 def report_history(result) -> list[dict]:
@@ -100,6 +100,9 @@ def test_rerun_with_the_same_name_resumes(ray_local, tiny_data, tmp_path, capsys
     first = tiny_cfg(tiny_data, tmp_path, "train.max_steps=8")
     assert train_on_ray(first, address=None, storage=storage, name="again", max_failures=0) == 0
     longer = tiny_cfg(tiny_data, tmp_path, "train.max_steps=12")
+    with pytest.raises(UserError, match="8-step run but this config makes 12 steps"):
+        train_on_ray(longer, address=None, storage=storage, name="again", max_failures=3)
+    longer = tiny_cfg(tiny_data, tmp_path, "train.max_steps=12", "train.extend=true")
     assert train_on_ray(longer, address=None, storage=storage, name="again", max_failures=0) == 0
     out = capsys.readouterr().out
     assert "best checkpoint" in out and "last checkpoint" in out
@@ -150,8 +153,10 @@ def test_ctrl_c_keeps_the_checkpoint_and_the_same_command_resumes(tiny_data, tmp
     assert proc.returncode != 0
     kept = committed_step(storage / "ctrlc")
     assert kept > 0
+    # The same command, shortened on purpose (train.extend) so that the test ends soon.
     rerun = run_cli("train", str(config), "--storage", str(storage), "--name", "ctrlc",
-                    "--set", "train.max_steps=40", "--set", "train.eval_interval=10",
+                    "--set", "train.max_steps=40", "--set", "train.extend=true",
+                    "--set", "train.eval_interval=10",
                     "--set", "model.n_layer=4", "--set", "model.d_model=128", timeout=300)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"resumed from checkpoint at step {kept}/" in rerun.stdout + rerun.stderr

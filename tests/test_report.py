@@ -71,7 +71,7 @@ def test_rows_best_and_page_from_made_up_trials(tmp_path: Path) -> None:
 
 
 def _trial_dirs(exp_dir: Path) -> list[Path]:
-    return [p for p in exp_dir.iterdir() if p.is_dir() and p.name.startswith("run_trial_")]
+    return [p for p in exp_dir.iterdir() if p.is_dir() and p.name.startswith("trial_")]
 
 
 def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:

@@ -51,7 +51,12 @@ def draw_sweep(figure: Any, trials: list[dict[str, Any]], curves: list[dict[str,
 
 
 def draw_importance(figure: Any, exp_dir: Path, cfg: RayExperiment, out_dir: Path) -> str | None:
-    """Draw importance.png from the Optuna study; return why not when it cannot be drawn."""
+    """Draw importance.png from the Optuna study; return why not when it cannot be drawn.
+
+    ASHA lets only the better trials run to the end, so the completed trials alone say little
+    about what mattered. Every trial with reports is compared instead at the largest token count
+    that all of them reached (ASHA's first rung, when it stopped some), by its validation loss
+    there: Optuna's PED-ANOVA on that common budget."""
     db = exp_dir / "optuna.db"
     (out_dir / "importance.png").unlink(missing_ok=True)  # never leave a stale one behind
     if not cfg.sweep.storage_url and not db.exists():
@@ -62,18 +67,36 @@ def draw_importance(figure: Any, exp_dir: Path, cfg: RayExperiment, out_dir: Pat
     try:
         study = optuna.load_study(study_name=exp_dir.name,
                                   storage=cfg.sweep.storage_url or f"sqlite:///{db}")
-        done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-        if len(done) < 2:
-            return f"Only {len(done)} completed trial(s) in the Optuna study; importances need 2."
+        common, at_common = _at_common_budget(study.trials)
+        if len(at_common.trials) < 2:
+            return (f"Only {len(at_common.trials)} trial(s) with reports in the Optuna study; "
+                    "importances need 2.")
         importances = optuna.importance.get_param_importances(
-            study, evaluator=optuna.importance.PedAnovaImportanceEvaluator())
+            at_common, evaluator=optuna.importance.PedAnovaImportanceEvaluator())
     except (KeyError, ValueError, RuntimeError) as err:
         return f"Importances could not be computed: {err}"
     fig, ax = figure()
     ax.barh(list(importances)[::-1], list(importances.values())[::-1], color="tab:blue")
-    ax.set(xlabel="importance (PED-ANOVA)", title=f"Hyperparameter importance ({len(done)} trials)")
+    ax.set(xlabel="importance (PED-ANOVA)", title=f"Hyperparameter importance: val loss at "
+           f"{common:,} tokens ({len(at_common.trials)} trials)")
     _save(fig, out_dir / "importance.png")
     return None
+
+
+def _at_common_budget(trials: list[Any]) -> tuple[int, Any]:
+    """An in-memory study holding each reporting trial once, valued by its last validation loss
+    at or before the largest token count that every such trial reached."""
+    import optuna
+
+    reported = [t for t in trials if t.intermediate_values and t.state in
+                (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+    common = min((max(t.intermediate_values) for t in reported), default=0)
+    study = optuna.create_study(direction="minimize")
+    for t in reported:
+        step = max(s for s in t.intermediate_values if s <= common)
+        study.add_trial(optuna.trial.create_trial(params=t.params, distributions=t.distributions,
+                                                  value=t.intermediate_values[step]))
+    return common, study
 
 
 def draw_noise(figure: Any, noise: dict[str, Any], out_dir: Path) -> None:

@@ -1,0 +1,81 @@
+"""Sweep arithmetic, in one place for `gptrun sweep`, `gptrun plan` and the results reader: a
+trial's tokens, ASHA's grace and rungs, what one trial reserves, and how many fit at once."""
+
+from __future__ import annotations
+
+from experiments.config import RayExperiment
+from gptcore.config import run_budget
+
+# A DDP trial's Tune process only waits on its TorchTrainer, whose workers reserve the CPUs/GPUs.
+DDP_DRIVER_CPU = 0.01
+
+
+def trial_tokens(cfg: RayExperiment) -> int:
+    """The per-trial budget in tokens (ASHA's max_t)."""
+    return run_budget(cfg, cfg.resources.workers).total_tokens
+
+
+def grace_tokens(cfg: RayExperiment) -> int:
+    """Tokens before ASHA's first cut: `sweep.grace_tokens`, or a quarter of the trial."""
+    return min(cfg.sweep.grace_tokens or max(1, trial_tokens(cfg) // 4), trial_tokens(cfg))
+
+
+def is_lean(cfg: RayExperiment) -> bool:
+    """A 1-worker trial trains inside its Tune trial process: no TorchTrainer, no worker group."""
+    return cfg.resources.workers == 1
+
+
+def trial_resources(cfg: RayExperiment) -> dict[str, float]:
+    """What Tune reserves for the trial process itself (the Tune resource names)."""
+    res = cfg.resources
+    if is_lean(cfg):
+        return {"cpu": res.cpus_per_worker, "gpu": res.gpus_per_worker}
+    return {"cpu": DDP_DRIVER_CPU}
+
+
+def trial_footprint(cfg: RayExperiment) -> tuple[float, float]:
+    """(CPUs, GPUs) one trial holds while it runs, its workers included."""
+    res = cfg.resources
+    cpus = res.workers * res.cpus_per_worker + (0.0 if is_lean(cfg) else DDP_DRIVER_CPU)
+    return cpus, res.workers * res.gpus_per_worker
+
+
+def local_extra_cpus(cfg: RayExperiment) -> int:
+    """Logical CPUs a local Ray instance adds for DDP trials' Tune processes (0.01 CPU each), so
+    that N cores still run N one-CPU workers; a 1-worker trial's process is its worker."""
+    return 0 if is_lean(cfg) else 1
+
+
+def concurrency(cfg: RayExperiment, cpus: float, gpus: float) -> int:
+    """How many trials fit at once: GPUs // GPUs per trial, or CPUs on a CPU cluster; capped by
+    `sweep.max_concurrent`."""
+    need_cpus, need_gpus = trial_footprint(cfg)
+    fit = int(gpus // need_gpus) if need_gpus > 0 else int(cpus // need_cpus)
+    if cfg.sweep.max_concurrent:
+        fit = min(fit, cfg.sweep.max_concurrent)
+    return max(fit, 0)
+
+
+def startup_trials(num_samples: int) -> int:
+    """TPE's random start-up: a quarter of the sweep, at least 3 and at most Optuna's default 10.
+    The default 10 is more than a short sweep's whole length, which would leave TPE nothing to
+    do; the baseline point counts as one of them."""
+    return min(10, max(3, num_samples // 4))
+
+
+def asha_rungs(grace: int, max_t: int, reduction_factor: int) -> list[int]:
+    """The token counts at which ASHA compares trials, ending with the full budget."""
+    rungs, milestone = [], grace
+    while milestone < max_t:
+        rungs.append(milestone)
+        milestone *= reduction_factor
+    return [*rungs, max_t]
+
+
+def expected_tokens(num_samples: int, rungs: list[int], reduction_factor: int) -> float:
+    """Tokens trained if ASHA promotes 1/reduction_factor of the trials at every rung."""
+    total, previous = 0.0, 0
+    for k, milestone in enumerate(rungs):
+        total += num_samples / reduction_factor ** k * (milestone - previous)
+        previous = milestone
+    return total

@@ -1,0 +1,108 @@
+"""The Ray side's config tables: `[resources]`, `[sweep]` and `[tracking]`.
+
+gptcore owns `[model]`, `[data]`, `[optim]` and `[train]`; these three describe how a run is
+placed on a cluster, searched and tracked, which the model world never reads. `RayExperiment` is
+gptcore's `ExperimentConfig` with them added, and `load_experiment` reads a TOML into it with the
+same key checking (unknown keys named, close matches suggested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gptcore.config import ExperimentConfig, config_from_dict, load_config, require_positive
+from gptcore.errors import UserError
+
+
+@dataclass
+class ResourcesConfig:
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+
+    def validate(self) -> None:
+        require_positive("resources.workers", self.workers)
+        if self.gpus_per_worker < 0:
+            raise UserError(f"resources.gpus_per_worker={self.gpus_per_worker} must be >= 0")
+        if not self.cpus_per_worker > 0:
+            raise UserError(f"resources.cpus_per_worker={self.cpus_per_worker} must be > 0")
+
+
+@dataclass
+class SweepConfig:
+    """The search. `space` maps a key (`lr`, `weight_decay`, `warmup`, or any `section.key`)
+    to a distribution; experiments.sweep validates it, since only it knows how to sample."""
+
+    num_samples: int = 8
+    seed: int = 0
+    budget: str = ""  # wall-clock for the whole sweep, e.g. "2h", "30m", "900s"; "" = none
+    max_concurrent: int = 0  # 0 means derived from the cluster
+    baseline: bool = True  # trial 0 runs the config's own values (points_to_evaluate)
+    grace_tokens: int = 0  # ASHA: tokens before the first cut; 0 means a quarter of the trial
+    reduction_factor: int = 2
+    storage_url: str = ""  # Optuna RDB; "" means sqlite in the experiment folder
+    confirm_top: int = 0  # after the search, re-run the K best configs (0: no noise check) ...
+    confirm_seeds: int = 3  # ... with this many new seeds each, at full budget
+    space: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        require_positive("sweep.num_samples", self.num_samples)
+        if self.reduction_factor < 2:
+            raise UserError(f"sweep.reduction_factor={self.reduction_factor} must be >= 2")
+        for key in ("max_concurrent", "grace_tokens", "confirm_top"):
+            if getattr(self, key) < 0:
+                raise UserError(f"sweep.{key}={getattr(self, key)} must be >= 0")
+        if self.confirm_seeds < 2:
+            raise UserError(f"sweep.confirm_seeds={self.confirm_seeds} must be >= 2 (a spread "
+                            "needs two runs)")
+        if self.budget:
+            parse_duration(self.budget)
+
+
+@dataclass
+class TrackingConfig:
+    """Optional experiment trackers for sweeps, fed from rank 0's reports. Off unless set; each
+    needs its extra (`pip install 'gptrun[mlflow]'` / `'gptrun[wandb]'`)."""
+
+    mlflow_uri: str = ""  # e.g. "sqlite:///mlflow.db" or "http://mlflow:5000"
+    wandb_project: str = ""  # W&B project; WANDB_API_KEY (or WANDB_MODE=offline) from the env
+
+
+def parse_duration(text: str) -> float:
+    """'2h' / '90m' / '30s' / '1h30m' / '3600' -> seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0}
+    rest, total, number = text.strip().lower(), 0.0, ""
+    try:
+        for ch in rest:
+            if ch.isdigit() or ch == ".":
+                number += ch
+            elif ch in units and number:
+                total, number = total + float(number) * units[ch], ""
+            else:
+                raise ValueError
+        total += float(number) if number else 0.0
+    except ValueError:
+        raise UserError(f"sweep.budget={text!r} is not a duration; write e.g. '2h', '30m', "
+                        "'1h30m' or '900s'") from None
+    if total <= 0:
+        raise UserError(f"sweep.budget={text!r} must be a positive duration")
+    return total
+
+
+@dataclass
+class RayExperiment(ExperimentConfig):
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                    ) -> RayExperiment:
+    """An experiment TOML with every section, `--set` overrides applied."""
+    return load_config(path, overrides, cls=RayExperiment)
+
+
+def experiment_from_dict(raw: dict[str, Any]) -> RayExperiment:
+    return config_from_dict(raw, RayExperiment)

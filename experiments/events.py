@@ -1,0 +1,78 @@
+"""What happened to each trial, told once: one console line per trial event in the sweep driver,
+and the same events in `EXPERIMENT/events.jsonl` for the results reader.
+
+ASHA's stops are recorded by `RecordingASHA` when it decides them, so that a trial cut by the
+sweep's time budget (`sweep.budget`) is not labelled "stopped early" like an ASHA stop. Start and
+end times, with the `fit_start_unix` / `report_unix` each trial reports, give every trial's fixed
+cost: from its process being ready to its first step, and from its last report to its end.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from ray.tune import Callback
+from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+from experiments.experiment import append_event, read_events
+
+
+def _params(config: dict[str, Any]) -> str:
+    from experiments.results import fmt_value, short_params
+
+    return ", ".join(f"{k}={fmt_value(v)}" for k, v in short_params(config).items())
+
+
+class RecordingASHA(ASHAScheduler):
+    """ASHA on tokens that writes down each trial it stops, and says so on the console."""
+
+    def __init__(self, exp_dir: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.exp_dir, self.full_tokens = exp_dir, kwargs["max_t"]
+
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+        decision = super().on_trial_result(tune_controller, trial, result)
+        tokens = result.get("tokens", 0)
+        if decision == TrialScheduler.STOP and tokens < self.full_tokens:  # not just finished
+            append_event(self.exp_dir, {"event": "asha_stop", "trial_id": trial.trial_id,
+                                        "tokens": tokens, "unix": time.time()})
+            print(f"trial {trial.trial_id} stopped early by ASHA at {tokens:,.0f} tokens "
+                  f"(val loss {result.get('val_loss', float('nan')):.4f})", flush=True)
+        return decision
+
+
+class TrialEvents(Callback):
+    """Start, end and error of every trial: one line each, and a line in events.jsonl."""
+
+    def __init__(self, exp_dir: Path, full_tokens: int) -> None:
+        self.exp_dir, self.full_tokens = exp_dir, full_tokens
+
+    def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        append_event(self.exp_dir, {"event": "start", "trial_id": trial.trial_id,
+                                    "unix": time.time()})
+        print(f"trial {trial.trial_id} started: {_params(trial.config)}", flush=True)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        last = trial.last_result or {}
+        append_event(self.exp_dir, {"event": "end", "trial_id": trial.trial_id,
+                                    "unix": time.time()})
+        print(f"trial {trial.trial_id} {self.describe(trial.trial_id, last)}", flush=True)
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        append_event(self.exp_dir, {"event": "error", "trial_id": trial.trial_id,
+                                    "unix": time.time()})
+        print(f"trial {trial.trial_id} failed: {trial.error_file or 'see its error.txt'}",
+              flush=True)
+
+    def describe(self, trial_id: str, last: dict[str, Any]) -> str:
+        tokens, loss = last.get("tokens", 0), last.get("val_loss", float("nan"))
+        if last.get("error") or last.get("diverged"):
+            return f"{'failed' if last.get('error') else 'diverged'}: {last.get('reason', '')}"
+        if tokens >= self.full_tokens:
+            return f"completed: {tokens:,.0f} tokens, val loss {loss:.4f}"
+        if any(e["event"] == "asha_stop" and e["trial_id"] == trial_id
+               for e in read_events(self.exp_dir)):
+            return f"ended after ASHA's stop at {tokens:,.0f} tokens, val loss {loss:.4f}"
+        return f"cut by the sweep budget at {tokens:,.0f} tokens, val loss {loss:.4f}"

@@ -1,0 +1,68 @@
+"""An experiment folder: the files that make a folder a gptrun sweep (or a confirm run inside
+one), in one place for the code that writes them and the code that reads them back.
+
+    gptrun.toml    the base config                 sweep.json    how to resume it (width, budget)
+    optuna.db      the Optuna study (sqlite)        events.jsonl  trial starts, ends, ASHA stops
+    runs/          Ray Train runs of DDP trials     best.toml     the winner, ready to train
+    <trial dirs>   Tune's, one per trial (results and, for 1-worker trials, checkpoints)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from experiments.budget import trial_tokens
+from experiments.config import RayExperiment, load_experiment
+from gptcore.atomic import write_text_atomic
+from gptcore.errors import UserError
+
+CONFIG_FILE, META_FILE, STUDY_FILE = "gptrun.toml", "sweep.json", "optuna.db"
+EVENTS_FILE, BEST_FILE, RUNS_DIR = "events.jsonl", "best.toml", "runs"
+
+
+def start_experiment(exp_dir: Path, cfg: RayExperiment, meta: dict[str, Any]) -> None:
+    """Write the base config and `sweep.json` (how to resume, and the per-trial budget that tells
+    completed trials from stopped ones)."""
+    exp_dir.mkdir(parents=True)
+    write_text_atomic(exp_dir / CONFIG_FILE, cfg.to_toml())
+    write_text_atomic(exp_dir / META_FILE, json.dumps(
+        {"trial_tokens": trial_tokens(cfg), **meta}, indent=1))
+
+
+def is_experiment(exp_dir: Path) -> bool:
+    return (exp_dir / CONFIG_FILE).exists() and (exp_dir / META_FILE).exists()
+
+
+def load_base(exp_dir: Path) -> tuple[RayExperiment, dict[str, Any]]:
+    """The experiment's base config and its `sweep.json`."""
+    if not is_experiment(exp_dir):
+        raise UserError(f"{exp_dir} is not a gptrun sweep folder (no {CONFIG_FILE} / {META_FILE});"
+                        " pass the folder that `gptrun sweep` printed")
+    return load_experiment(exp_dir / CONFIG_FILE), json.loads((exp_dir / META_FILE).read_text())
+
+
+def study_url(cfg: RayExperiment, exp_dir: Path) -> str:
+    """Where the Optuna study lives: `sweep.storage_url`, or sqlite in the experiment folder."""
+    return cfg.sweep.storage_url or f"sqlite:///{(exp_dir / STUDY_FILE).resolve()}"
+
+
+def append_event(exp_dir: Path, event: dict[str, Any]) -> None:
+    """One line of `events.jsonl`. Written by the sweep driver only, so appends do not race."""
+    with open(exp_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+def read_events(exp_dir: Path) -> list[dict[str, Any]]:
+    """Every event written so far; a line cut short by a killed driver is skipped."""
+    path = exp_dir / EVENTS_FILE
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events

@@ -1,0 +1,118 @@
+"""The Optuna study of a sweep, live in its storage from the first trial.
+
+`StudySearch` is Ray's `OptunaSearch` given an RDB storage (sqlite in the experiment folder, or
+`sweep.storage_url`): every trial is written as it is asked and told, so a sweep killed and never
+resumed still leaves every finished trial in the study, and optuna-dashboard can watch a running
+sweep. It adds what Ray's searcher leaves out:
+- each Optuna trial carries its Tune trial id (user attribute `tune_trial_id`);
+- intermediate values are keyed by tokens seen, which survive a restore (Tune's iteration
+  counter restarts at 1 after one);
+- a trial that ends before its full token budget (ASHA stopped it, or the sweep's time budget
+  ran out) is told as PRUNED with its intermediate values, not as COMPLETE with a partial loss,
+  so TPE, the importance plot and the dashboard treat it as what it is.
+Diverged and failed runs report a bad finite loss and are told COMPLETE with it, so that TPE
+learns to avoid their region.
+
+A killed driver can have told the study about a trial that Tune's last saved state still holds as
+running: on resume Tune runs that trial on from its checkpoint, and its reports and end are then
+skipped here (the study already has them), so no trial is told twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.tune.search.optuna import OptunaSearch
+
+from gptcore.errors import UserError
+
+TUNE_ID = "tune_trial_id"
+
+
+class StudySearch(OptunaSearch):
+    def __init__(self, *, full_tokens: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._full_tokens = full_tokens
+        self._reported: dict[str, int] = {}  # trial id -> last tokens reported to Optuna
+
+    def suggest(self, trial_id: str) -> dict | None:
+        params = super().suggest(trial_id)
+        if trial_id in self._ot_trials:
+            self._ot_trials[trial_id].set_user_attr(TUNE_ID, trial_id)
+        return params
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        if trial_id in self._completed_trials or trial_id not in self._ot_trials:
+            return
+        tokens = int(result.get("tokens", 0))
+        if self.metric not in result or tokens <= self._reported.get(trial_id, 0):
+            return  # a replayed report after a restore, or one without a loss
+        from optuna.exceptions import UpdateFinishedTrialError
+
+        try:
+            self._ot_trials[trial_id].report(result[self.metric], tokens)
+        except UpdateFinishedTrialError:  # told before the driver was killed: see the module doc
+            self._completed_trials.add(trial_id)
+            return
+        self._reported[trial_id] = tokens
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None,
+                          error: bool = False) -> None:
+        if trial_id in self._completed_trials or trial_id not in self._ot_trials:
+            return super().on_trial_complete(trial_id, result, error)
+        import optuna
+
+        failed = error or not result or self.metric not in result
+        if failed or result.get("error") or result.get("diverged") or \
+                result.get("tokens", 0) >= self._full_tokens:
+            state = optuna.trial.TrialState.FAIL if failed else optuna.trial.TrialState.COMPLETE
+            value = None if failed else result[self.metric]
+        else:
+            state, value = optuna.trial.TrialState.PRUNED, None  # Optuna keeps the last report
+        self._ot_study.tell(self._ot_trials[trial_id], value, state=state, skip_if_finished=True)
+        self._completed_trials.add(trial_id)
+
+
+def rdb_storage(url: str) -> Any:
+    """An Optuna RDB storage, or one line naming what is wrong with the URL."""
+    import optuna
+
+    try:
+        return optuna.storages.RDBStorage(url)
+    except ModuleNotFoundError as err:
+        raise UserError(f"sweep.storage_url {url}: needs the database driver {err.name!r} "
+                        "(pip install it, e.g. psycopg2-binary for postgresql://)") from None
+    except Exception as err:  # SQLAlchemy raises many types for bad URLs and refused connections
+        raise UserError(f"sweep.storage_url {url}: cannot open the Optuna storage "
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+
+
+def check_new_study(url: str, name: str, replace: bool) -> None:
+    """A new sweep never takes over another study: a study of this name in a shared database
+    is refused unless `--restart` asked to replace this experiment (then only it is deleted)."""
+    import optuna
+
+    storage = rdb_storage(url)
+    names = {s.study_name for s in optuna.get_all_study_summaries(storage)}
+    if name not in names:
+        return
+    if not replace:
+        raise UserError(f"the Optuna storage {url} already holds a study named {name!r}; pick "
+                        "another --name, or pass --restart to replace that experiment")
+    optuna.delete_study(study_name=name, storage=storage)
+
+
+def close_orphans(url: str, name: str, known: set[str]) -> int:
+    """Trials still RUNNING in the study whose Tune trial is not in the experiment: asked by a
+    driver that was killed before Tune saved them (Tune asks again for a new trial on resume).
+    Told as FAIL, so that no trial looks as if it were still running; they are the study's
+    trials whose `tune_trial_id` the experiment does not hold."""
+    import optuna
+
+    study = optuna.load_study(study_name=name, storage=rdb_storage(url))
+    closed = 0
+    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if trial.user_attrs.get(TUNE_ID) not in known:
+            study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+            closed += 1
+    return closed

@@ -1,0 +1,75 @@
+"""One sweep trial: the gptcore loop with the trial's sampled values, reporting to Ray Tune.
+
+A 1-worker trial trains right here, in the Tune trial's own process, with the trial's CPUs/GPUs:
+its checkpoints go through `tune.report` and it resumes from `tune.get_checkpoint()`. A new
+TorchTrainer (controller, worker group, placement group) costs ~25 s before the first step, most
+of a short trial. A trial with `resources.workers > 1` is one Ray Train DDP run, named
+`train-<trial_id>` under `EXPERIMENT/runs/` so that it resumes from its own last checkpoint.
+
+Either way a diverged or failed run reports a bad, finite loss instead of raising, so the sweep
+goes on and the searcher learns that this region is bad.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from experiments.budget import is_lean, trial_tokens
+from experiments.config import RayExperiment, experiment_from_dict
+from experiments.space import apply_overrides
+from experiments.train import build_trainer, checkpoint_reporter, diverged_loss, resume, root_message
+from gptcore.errors import DivergedError
+
+METRIC, MODE = "val_loss", "min"
+
+
+def run_trial(config: dict[str, Any], base: dict[str, Any], runs_storage: str) -> None:
+    """The Tune function trainable. `base` holds the experiment's config and its `Space` (which
+    turns the sampled `config` into config values)."""
+    from ray import tune
+
+    cfg = apply_overrides(experiment_from_dict(base["config"]), base["space"].overrides(config))
+    try:
+        outcome = train_here(cfg) if is_lean(cfg) else train_ddp(cfg, runs_storage)
+    except Exception as err:  # recorded with its reason; never crashes the sweep
+        tune.report({METRIC: diverged_loss(cfg), "tokens": float(trial_tokens(cfg)),
+                     "error": 1.0, "reason": root_message(err)})
+        return
+    if outcome.get("status") in ("diverged", "refused"):
+        flag = "diverged" if outcome["status"] == "diverged" else "error"
+        tune.report({METRIC: diverged_loss(cfg), "tokens": float(trial_tokens(cfg)),
+                     flag: 1.0, "reason": outcome["reason"]})
+
+
+def train_here(cfg: RayExperiment) -> dict[str, str]:
+    """The lean path: the loop in this process, checkpoints reported to Tune."""
+    import ray
+    import torch
+    from ray import tune
+
+    from gptcore.train import Trainer
+
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # no line per checkpoint upload
+    torch.set_num_threads(max(1, int(cfg.resources.cpus_per_worker)))
+    trainer = Trainer(cfg)
+    resume(trainer, tune.get_checkpoint())
+    extra = {"node_id": ray.get_runtime_context().get_node_id(), "world_size": 1.0,
+             "fit_start_unix": time.time()}
+    try:
+        trainer.fit(checkpoint_reporter(tune.report, tune.Checkpoint, extra))
+    except DivergedError as err:
+        return {"status": "diverged", "reason": str(err)}
+    return {"status": "completed"}
+
+
+def train_ddp(cfg: RayExperiment, runs_storage: str) -> dict[str, str]:
+    """The DDP path: one Ray Train run whose rank 0 reports reach Tune through the callback."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    name = f"train-{tune.get_context().get_trial_id()}"
+    trainer = build_trainer(cfg, storage=runs_storage, name=name, max_failures=1,
+                            callbacks=[TuneReportCallback()])
+    return trainer.fit().return_value or {}

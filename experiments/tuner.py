@@ -1,0 +1,128 @@
+"""The Ray Tune side of a sweep: the Tuner (new or restored), its search (TPE + ASHA on tokens,
+the Optuna study in its storage), and the trackers. `gptrun sweep`, `gptrun resume`,
+`gptrun confirm` and the benchmarks all build their Tuner here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from experiments.budget import grace_tokens, is_lean, startup_trials, trial_resources, trial_tokens
+from experiments.config import RayExperiment, parse_duration
+from experiments.experiment import RUNS_DIR, study_url
+from experiments.space import Space
+from experiments.trial import METRIC, MODE, run_trial
+from gptcore.errors import UserError
+
+REPORT_COLUMNS = ["tokens", "loss", "val_loss", "val_bpb", "tokens_per_sec"]
+
+
+def new_tuner(cfg: RayExperiment, space: Any, exp_dir: Path, width: int, *,
+              tune_config: Any = None, param_space: dict | None = None, stop: Any = None,
+              tracking_name: str = "") -> Any:
+    """The Tuner of experiment `exp_dir`: one `run_trial` per trial, `space.overrides(config)`
+    turning a trial's config into config values. The search defaults to TPE + ASHA from
+    `cfg.sweep` (`search_config`); `gptrun confirm` and the benchmarks pass their own. Trackers
+    log under `tracking_name` (default: the experiment's name)."""
+    from ray import tune
+
+    from experiments.events import TrialEvents
+
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's table reporter, not the new UI
+    # Frequent checkpoints of short trials trigger a warning about snapshot frequency that a
+    # user cannot act on: the snapshots are what makes a killed sweep resumable.
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    tune_config = tune_config or search_config(cfg, space, exp_dir)
+    tune_config.max_concurrent_trials = width
+    tune_config.trial_dirname_creator = trial_dirname
+    tune_config.reuse_actors = is_lean(cfg)  # a warm process: torch imported, threads set up
+    reporter = tune.CLIReporter(metric_columns=REPORT_COLUMNS, max_report_frequency=30,
+                                parameter_columns=list(space.keys), metric=METRIC, mode=MODE,
+                                sort_by_metric=True)
+    callbacks = [TrialEvents(exp_dir, trial_tokens(cfg)),
+                 *tracking_callbacks(cfg, tracking_name or exp_dir.name)]
+    return tune.Tuner(
+        trainable(cfg, space, exp_dir), param_space=param_space, tune_config=tune_config,
+        run_config=tune.RunConfig(
+            name=exp_dir.name, storage_path=str(exp_dir.parent), progress_reporter=reporter,
+            verbose=1, stop=stop, callbacks=callbacks,
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints or None),
+            failure_config=tune.FailureConfig(max_failures=1)),
+    )
+
+
+def trial_dirname(trial: Any) -> str:
+    """`trial_<id>`: Tune's default folder name spells out every sampled value."""
+    return f"trial_{trial.trial_id}"
+
+
+def restore_tuner(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
+    """The Tuner of an interrupted experiment: its trials, searcher, scheduler and callbacks come
+    back from Tune's state; unfinished trials continue from their last checkpoint."""
+    from ray import tune
+
+    return tune.Tuner.restore(str(exp_dir), trainable=trainable(cfg, space, exp_dir),
+                              resume_errored=True)
+
+
+def trainable(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
+    """`run_trial` with the experiment's config bound and the trial's resources reserved."""
+    from ray import tune
+
+    base = {"config": cfg.to_dict(), "space": space}
+    return tune.with_resources(
+        tune.with_parameters(run_trial, base=base, runs_storage=str(exp_dir / RUNS_DIR)),
+        trial_resources(cfg))
+
+
+def search_config(cfg: RayExperiment, space: Space, exp_dir: Path) -> Any:
+    """TPE (seeded, the baseline as its first point, start-up scaled to the sweep) writing its
+    study to `study_url`, and ASHA on tokens, within the sweep's time budget."""
+    import optuna
+    from ray import tune
+
+    from experiments.events import RecordingASHA
+    from experiments.study import StudySearch, rdb_storage
+
+    points = [space.baseline(cfg)] if cfg.sweep.baseline else None
+    sampler = optuna.samplers.TPESampler(seed=cfg.sweep.seed,
+                                         n_startup_trials=startup_trials(cfg.sweep.num_samples))
+    max_t = trial_tokens(cfg)
+    searcher = StudySearch(full_tokens=max_t, space=space.suggest, points_to_evaluate=points,
+                           sampler=sampler, study_name=exp_dir.name, metric=METRIC, mode=MODE,
+                           storage=rdb_storage(study_url(cfg, exp_dir)))
+    scheduler = RecordingASHA(exp_dir, time_attr="tokens", max_t=max_t,
+                              grace_period=grace_tokens(cfg),
+                              reduction_factor=cfg.sweep.reduction_factor, metric=METRIC, mode=MODE)
+    budget = parse_duration(cfg.sweep.budget) if cfg.sweep.budget else None
+    return tune.TuneConfig(search_alg=searcher, scheduler=scheduler,
+                           num_samples=cfg.sweep.num_samples, time_budget_s=budget)
+
+
+def tracking_callbacks(cfg: RayExperiment, experiment: str) -> list[Any]:
+    """MLflow / W&B loggers from `[tracking]`, empty unless the user set them (no network call
+    otherwise). They run in the Tune driver on each trial's results, which are rank 0's reports;
+    each trial is one MLflow run / W&B run in the experiment's name / group."""
+    callbacks: list[Any] = []
+    if cfg.tracking.mlflow_uri:
+        _require_extra("mlflow", "mlflow")
+        from ray.air.integrations.mlflow import MLflowLoggerCallback
+
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no calls home
+
+        callbacks.append(MLflowLoggerCallback(tracking_uri=cfg.tracking.mlflow_uri,
+                                              experiment_name=experiment, save_artifact=False))
+    if cfg.tracking.wandb_project:
+        _require_extra("wandb", "wandb")
+        from ray.air.integrations.wandb import WandbLoggerCallback
+
+        callbacks.append(WandbLoggerCallback(project=cfg.tracking.wandb_project, group=experiment))
+    return callbacks
+
+
+def _require_extra(module: str, extra: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"[tracking] needs {module}: pip install 'gptrun[{extra}]' (or unset it)")
