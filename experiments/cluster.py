@@ -60,8 +60,8 @@ def ray_session(address: str | None = None, extra_local_cpus: int = 0) -> Iterat
     # placement group, which then starves every later trial.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "900")
     try:
-        if address is None:
-            ray.init(num_cpus=(os.cpu_count() or 1) + extra_local_cpus,
+        if address is None:  # "local": never attach to another `ray start` on this machine
+            ray.init(address="local", num_cpus=(os.cpu_count() or 1) + extra_local_cpus,
                      # The dashboard serves Ray's state API, which Ray Train's placement-group
                      # cleaner needs: without it a trial that ASHA stops leaks its CPUs/GPUs.
                      include_dashboard=True, dashboard_host="127.0.0.1", logging_level="warning",
