@@ -265,9 +265,14 @@ def test_a_rerun_with_another_schedule_is_refused_unless_extended(tiny_data, tmp
                       "train.extend=true")
 
 
-def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_path, monkeypatch):
+def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_path, monkeypatch,
+                                                              request):
     """SIGINT arrives inside step 6 (batch index moved, optimizer not yet stepped): the interrupt
     checkpoint must still be taken between steps, so the resumed run equals the uninterrupted one."""
+    # Python's own Ctrl-C handler, as in `gptrun train --local`: a Ray Train fit() run earlier in
+    # this pytest process leaves its handler installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     cfg = make_config(tiny_data, tmp_path, "model.dropout=0.1")
     full = make_config(tiny_data, tmp_path, "model.dropout=0.1", f'train.out="{tmp_path / "full"}"')
     real_step, calls = AdamW.step, []
