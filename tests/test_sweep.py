@@ -126,11 +126,15 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(tiny_data, tmp_
     for tid, recs in interrupted.items():
         if recs[-1]["step"] < 2 * every:
             continue  # it may not have had a checkpoint committed yet
-        resumed = after[tid][len(recs):]
-        assert resumed, f"trial {tid} did not continue"
+        resumed = [r for r in after[tid] if r.get("resumed_from", 0) > 0]
+        assert resumed, (tid, [(r["step"], r.get("resumed_from")) for r in recs],
+                         [(r["step"], r.get("resumed_from")) for r in after[tid]])
         # From a committed checkpoint: not from step 0, and at most a few intervals replayed
-        # (Tune snapshots its state at least every `keep_checkpoints` checkpoints).
-        assert 0 < resumed[0]["resumed_from"] <= recs[-1]["step"], (recs[-1], resumed[0])
+        # (Tune snapshots its state at least every `keep_checkpoints` checkpoints). A DDP run
+        # reports to Tune through a queue, so it may have trained (and checkpointed) beyond the
+        # last report Tune wrote down before the kill.
+        newest = recs[-1]["step"] if workers == 1 else steps
+        assert 0 < resumed[0]["resumed_from"] <= newest, (recs[-1], resumed[0])
         assert resumed[0]["resumed_from"] >= recs[-1]["step"] - 3 * every, (recs[-1], resumed[0])
     rows = study_rows(exp_dir)
     live = [tid for tid, state in rows if state != "FAIL"]
