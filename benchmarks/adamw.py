@@ -62,11 +62,12 @@ def main() -> None:
 
     n_params = models["ours"].num_params()
     threads = torch.get_num_threads()
-    print(f"AdamW step, {n_params / 1e6:.1f}M parameters ({cfg.preset}), device={device}"
-          f"{f', {threads} threads' if device.type == 'cpu' else ''}, median of {args.iters}")
+    print(
+        f"AdamW step, {n_params / 1e6:.1f}M parameters ({cfg.preset}), device={device}"
+        f"{f', {threads} threads' if device.type == 'cpu' else ''}, median of {args.iters}"
+    )
     med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
-    for name, label in (("torch", "torch.optim.AdamW(foreach=True)"),
-                        ("ours", "gptcore.optim.AdamW")):
+    for name, label in (("torch", "torch.optim.AdamW(foreach=True)"), ("ours", "gptcore.optim.AdamW")):
         print(f"  {label:<34} {med[name]:8.2f} ms/step")
     print(f"  ratio ours/torch                   {med['ours'] / med['torch']:8.3f}x")
 

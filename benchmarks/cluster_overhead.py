@@ -35,10 +35,17 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_SH = REPO / "cluster" / "local.sh"
-AUTH_VARS = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
-             "RAY_API_SERVER_ADDRESS")
-WORDS = ("the king queen speaks to a fool and lord of night day sword crown love death "
-         "sweet good my thy thee doth hath shall not is was her his").split()
+AUTH_VARS = (
+    "RAY_ADDRESS",
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN",
+    "RAY_AUTH_TOKEN_PATH",
+    "RAY_API_SERVER_ADDRESS",
+)
+WORDS = (
+    "the king queen speaks to a fool and lord of night day sword crown love death "
+    "sweet good my thy thee doth hath shall not is was her his"
+).split()
 SEQ_LEN, BATCH = 32, 4
 
 
@@ -57,23 +64,39 @@ def prepare_data(root: Path, vocab: int) -> Path:
     rng = random.Random(0)
     docs = []
     for _ in range(200):
-        lines = [f"{rng.choice(('KING', 'QUEEN', 'FOOL', 'LORD'))}: "
-                 + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + "."
-                 for _ in range(rng.randint(8, 16))]
+        lines = [
+            f"{rng.choice(('KING', 'QUEEN', 'FOOL', 'LORD'))}: "
+            + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize()
+            + "."
+            for _ in range(rng.randint(8, 16))
+        ]
         docs.append("\n".join(lines))
     corpus = root / "corpus.txt"
     corpus.write_text("<|endoftext|>".join(docs), encoding="utf-8")
     out = root / "data"
-    proc = subprocess.run(gptrun("prepare", "--input", str(corpus), "--out", str(out),
-                                 "--vocab-size", str(vocab), "--val-fraction", "0.1"),
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True)
+    proc = subprocess.run(
+        gptrun(
+            "prepare",
+            "--input",
+            str(corpus),
+            "--out",
+            str(out),
+            "--vocab-size",
+            str(vocab),
+            "--val-fraction",
+            "0.1",
+        ),
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         sys.exit(f"gptrun prepare failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return out
 
 
-def write_config(root: Path, data: Path, vocab: int, trials: int, steps: int,
-                 concurrent: int) -> Path:
+def write_config(root: Path, data: Path, vocab: int, trials: int, steps: int, concurrent: int) -> Path:
     """A sweep of `trials` tiny 1-CPU trials of `steps` steps, ASHA's first rung at the end (no
     trial is cut, so both sides train the same tokens)."""
     tokens = BATCH * SEQ_LEN * steps
@@ -100,7 +123,7 @@ eval_interval = {max(1, steps // 2)}
 eval_tokens = 2048
 log_interval = {max(1, steps // 2)}
 device = "cpu"
-out = "{root / 'run'}"
+out = "{root / "run"}"
 
 [resources]
 workers = 1
@@ -135,8 +158,9 @@ def first_step_unix(exp_dir: Path) -> float:
     return min(starts)
 
 
-def run_sweep(config: Path, storage: Path, name: str, env: dict[str, str], address: str | None,
-              timeout: float) -> dict[str, Any]:
+def run_sweep(
+    config: Path, storage: Path, name: str, env: dict[str, str], address: str | None, timeout: float
+) -> dict[str, Any]:
     """Launch `gptrun sweep` and measure it: launch -> first step, trial start-ups, wall."""
     from experiments.results import load_trials
 
@@ -147,8 +171,9 @@ def run_sweep(config: Path, storage: Path, name: str, env: dict[str, str], addre
     storage.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         launched = time.time()
-        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -162,15 +187,24 @@ def run_sweep(config: Path, storage: Path, name: str, env: dict[str, str], addre
     startups = [t["startup_s"] for t in load_trials(exp_dir) if not math.isnan(t["startup_s"])]
     if not startups:
         sys.exit(f"{name}: no trial start-up measured; log: {log}")
-    return {"first_step_s": first_step_unix(exp_dir) - launched,
-            "startup_median_s": statistics.median(startups), "startup_max_s": max(startups),
-            "trials": len(startups), "wall_s": wall}
+    return {
+        "first_step_s": first_step_unix(exp_dir) - launched,
+        "startup_median_s": statistics.median(startups),
+        "startup_max_s": max(startups),
+        "trials": len(startups),
+        "wall_s": wall,
+    }
 
 
 def local_sh(*args: str, state: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LOCAL_SH), *args, "--dir", str(state)], cwd=REPO, timeout=timeout,
-                          env=clean_env(GPTRUN_PYTHON=sys.executable), capture_output=True,
-                          text=True)
+    return subprocess.run(
+        [str(LOCAL_SH), *args, "--dir", str(state)],
+        cwd=REPO,
+        timeout=timeout,
+        env=clean_env(GPTRUN_PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+    )
 
 
 def median_of(rows: list[dict[str, Any]], key: str) -> float:
@@ -178,10 +212,12 @@ def median_of(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def print_table(local: list[dict[str, Any]], cluster: list[dict[str, Any]], nodes: int) -> None:
-    rows = [("launch -> first step (s)", "first_step_s"),
-            ("trial start-up, median (s)", "startup_median_s"),
-            ("trial start-up, max (s)", "startup_max_s"),
-            ("sweep wall-clock (s)", "wall_s")]
+    rows = [
+        ("launch -> first step (s)", "first_step_s"),
+        ("trial start-up, median (s)", "startup_median_s"),
+        ("trial start-up, max (s)", "startup_max_s"),
+        ("sweep wall-clock (s)", "wall_s"),
+    ]
     print(f"{'':<28} {'local Ray':>10} {f'{nodes}-node cluster':>15} {'cluster/local':>14}")
     for label, key in rows:
         a, b = median_of(local, key), median_of(cluster, key)
@@ -192,41 +228,41 @@ def print_table(local: list[dict[str, Any]], cluster: list[dict[str, Any]], node
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Sweep start-up on a local Ray instance vs the 2-node cluster of "
-                    "cluster/local.sh, measured in the same run.")
+        "cluster/local.sh, measured in the same run."
+    )
     parser.add_argument("--trials", type=int, default=4, help="trials per sweep (4)")
     parser.add_argument("--steps", type=int, default=40, help="training steps per trial (40)")
-    parser.add_argument("--concurrent", type=int, default=2,
-                        help="trials at a time on both sides (2)")
-    parser.add_argument("--nodes", type=int, default=1,
-                        help="worker nodes of the cluster besides the head (1)")
-    parser.add_argument("--cpus-per-node", type=int, default=1,
-                        help="logical CPUs per cluster node (1)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="local / cluster sweep pairs, alternated (1)")
-    parser.add_argument("--data", default=None,
-                        help="a prepared data folder (default: a synthetic corpus prepared here)")
-    parser.add_argument("--vocab-size", type=int, default=384,
-                        help="the vocabulary of --data (384 for the synthetic corpus)")
+    parser.add_argument("--concurrent", type=int, default=2, help="trials at a time on both sides (2)")
+    parser.add_argument(
+        "--nodes", type=int, default=1, help="worker nodes of the cluster besides the head (1)"
+    )
+    parser.add_argument("--cpus-per-node", type=int, default=1, help="logical CPUs per cluster node (1)")
+    parser.add_argument("--rounds", type=int, default=1, help="local / cluster sweep pairs, alternated (1)")
+    parser.add_argument(
+        "--data", default=None, help="a prepared data folder (default: a synthetic corpus prepared here)"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=384, help="the vocabulary of --data (384 for the synthetic corpus)"
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per sweep (900)")
     args = parser.parse_args()
-    if min(args.trials, args.steps, args.concurrent, args.rounds, args.cpus_per_node) < 1 or \
-            args.nodes < 1:
-        parser.error("--trials, --steps, --concurrent, --rounds, --nodes and --cpus-per-node "
-                     "must be >= 1")
+    if min(args.trials, args.steps, args.concurrent, args.rounds, args.cpus_per_node) < 1 or args.nodes < 1:
+        parser.error("--trials, --steps, --concurrent, --rounds, --nodes and --cpus-per-node must be >= 1")
     cluster_cpus = (args.nodes + 1) * args.cpus_per_node
     if cluster_cpus < args.concurrent:
-        parser.error(f"the cluster has {cluster_cpus} CPUs: fewer than --concurrent "
-                     f"{args.concurrent} one-CPU trials")
+        parser.error(
+            f"the cluster has {cluster_cpus} CPUs: fewer than --concurrent {args.concurrent} one-CPU trials"
+        )
 
     with tempfile.TemporaryDirectory(prefix="gptrun-overhead-") as tmp:
         root = Path(tmp)
         data = Path(args.data).resolve() if args.data else prepare_data(root, args.vocab_size)
-        config = write_config(root, data, args.vocab_size, args.trials, args.steps,
-                              args.concurrent)
+        config = write_config(root, data, args.vocab_size, args.trials, args.steps, args.concurrent)
         state = root / "cluster"
         start = time.monotonic()
-        up = local_sh("up", "--nodes", str(args.nodes), "--cpus-per-node",
-                      str(args.cpus_per_node), state=state)
+        up = local_sh(
+            "up", "--nodes", str(args.nodes), "--cpus-per-node", str(args.cpus_per_node), state=state
+        )
         up_s = time.monotonic() - start
         local_rows: list[dict[str, Any]] = []
         cluster_rows: list[dict[str, Any]] = []
@@ -236,21 +272,30 @@ def main() -> None:
             info = json.loads((state / "state.json").read_text())
             cluster_env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=info["token_path"])
             for k in range(args.rounds):
-                local_rows.append(run_sweep(config, root / "sweeps", f"local-{k}", clean_env(),
-                                            None, args.timeout))
-                cluster_rows.append(run_sweep(config, root / "sweeps", f"cluster-{k}",
-                                              cluster_env, info["address"], args.timeout))
-                print(f"round {k}: local {local_rows[-1]['first_step_s']:.1f}s, cluster "
-                      f"{cluster_rows[-1]['first_step_s']:.1f}s to the first step", flush=True)
+                local_rows.append(
+                    run_sweep(config, root / "sweeps", f"local-{k}", clean_env(), None, args.timeout)
+                )
+                cluster_rows.append(
+                    run_sweep(
+                        config, root / "sweeps", f"cluster-{k}", cluster_env, info["address"], args.timeout
+                    )
+                )
+                print(
+                    f"round {k}: local {local_rows[-1]['first_step_s']:.1f}s, cluster "
+                    f"{cluster_rows[-1]['first_step_s']:.1f}s to the first step",
+                    flush=True,
+                )
         finally:
             down = local_sh("down", "--grace", "10", state=state)
             if down.returncode != 0:
                 print(f"warning: cluster/local.sh down: {down.stderr.strip()}", file=sys.stderr)
 
-    print(f"\n{args.trials} trials x {args.steps} steps (tiny model, batch {BATCH} x {SEQ_LEN} "
-          f"tokens), {args.concurrent} at a time, 1 CPU each; median of {args.rounds} round(s); "
-          f"cluster = head + {args.nodes} worker node(s) x {args.cpus_per_node} CPU(s), up in "
-          f"{up_s:.1f}s (not counted)")
+    print(
+        f"\n{args.trials} trials x {args.steps} steps (tiny model, batch {BATCH} x {SEQ_LEN} "
+        f"tokens), {args.concurrent} at a time, 1 CPU each; median of {args.rounds} round(s); "
+        f"cluster = head + {args.nodes} worker node(s) x {args.cpus_per_node} CPU(s), up in "
+        f"{up_s:.1f}s (not counted)"
+    )
     print_table(local_rows, cluster_rows, args.nodes + 1)
 
 

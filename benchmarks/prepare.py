@@ -53,8 +53,15 @@ def main() -> None:
         out = Path(tmp) / "data"
         start = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):
-            meta = prepare([], args.corpus, out, vocab_size=args.vocab_size, force=True,
-                           workers=args.workers, progress=False)
+            meta = prepare(
+                [],
+                args.corpus,
+                out,
+                vocab_size=args.vocab_size,
+                force=True,
+                workers=args.workers,
+                progress=False,
+            )
         whole = time.perf_counter() - start
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     eot = tok.token_to_id(EOT)
@@ -75,13 +82,17 @@ def main() -> None:
     tokens = sum(map(len, single))
     peak_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     peak_child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print(f"corpus {args.corpus}: {len(docs)} documents, {mb:.2f} MB, {tokens:,} tokens "
-          f"(vocab {meta['vocab_size']}, {meta['bytes_per_token']:.2f} bytes/token on val), "
-          f"{args.workers} workers, {os.cpu_count()} CPUs")
+    print(
+        f"corpus {args.corpus}: {len(docs)} documents, {mb:.2f} MB, {tokens:,} tokens "
+        f"(vocab {meta['vocab_size']}, {meta['bytes_per_token']:.2f} bytes/token on val), "
+        f"{args.workers} workers, {os.cpu_count()} CPUs"
+    )
     print(f"{'stage':<44}{'seconds':>9}{'MB/s':>8}")
-    rows = [("prepare, whole (read+train BPE+encode+write)", whole),
-            (f"prepare encoding stage ({args.workers} processes)", encode),
-            ("baseline: Tokenizer.encode loop, 1 thread", loop)]
+    rows = [
+        ("prepare, whole (read+train BPE+encode+write)", whole),
+        (f"prepare encoding stage ({args.workers} processes)", encode),
+        ("baseline: Tokenizer.encode loop, 1 thread", loop),
+    ]
     for name, seconds in rows:
         print(f"{name:<44}{seconds:>9.2f}{mb / seconds:>8.2f}")
     print(f"encoding speed-up over the single-threaded loop: {loop / encode:.2f}x")

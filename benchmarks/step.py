@@ -34,8 +34,7 @@ LABELS = {"torch": "torch.optim.AdamW(foreach=True)", "ours": "gptcore.optim.Ada
 
 def train_step(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
     """One training step (the loop's, without grad accumulation)."""
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if x.is_cuda \
-        else contextlib.nullcontext()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if x.is_cuda else contextlib.nullcontext()
     with autocast:
         _, loss = model(x, y)
     loss.backward()
@@ -44,8 +43,9 @@ def train_step(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch
     opt.zero_grad(set_to_none=True)
 
 
-def bench_preset(preset: str, device: torch.device, batch: int, seq_len: int, steps: int,
-                 warmup: int, peak: float) -> None:
+def bench_preset(
+    preset: str, device: torch.device, batch: int, seq_len: int, steps: int, warmup: int, peak: float
+) -> None:
     cfg = load_config(None, [f'model.preset="{preset}"', f"model.seq_len={seq_len}"]).model
     torch.manual_seed(0)
     models = {"torch": GPT(cfg).to(device), "ours": GPT(cfg).to(device)}
@@ -56,8 +56,9 @@ def bench_preset(preset: str, device: torch.device, batch: int, seq_len: int, st
         "ours": AdamW(param_groups(models["ours"], 0.1), **kw),
     }
     gen = torch.Generator(device=device).manual_seed(1)
-    x, y = (torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen, device=device)
-            for _ in range(2))
+    x, y = (
+        torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen, device=device) for _ in range(2)
+    )
 
     times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(warmup + steps):
@@ -72,8 +73,10 @@ def bench_preset(preset: str, device: torch.device, batch: int, seq_len: int, st
                 times[name].append(time.perf_counter() - t0)
 
     flops = models["ours"].flops_per_token(seq_len)
-    print(f"{preset}: {cfg.style}, {models['ours'].num_params() / 1e6:.1f}M params, "
-          f"B={batch} T={seq_len}, {flops / 1e6:.1f} MFLOP/token, median of {steps} steps")
+    print(
+        f"{preset}: {cfg.style}, {models['ours'].num_params() / 1e6:.1f}M params, "
+        f"B={batch} T={seq_len}, {flops / 1e6:.1f} MFLOP/token, median of {steps} steps"
+    )
     print(f"  {'optimizer':<34}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}")
     rate = {}
     for name in ("torch", "ours"):
@@ -91,10 +94,12 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["quickstart", "minimind-26m"])
     parser.add_argument("--batch-size", type=int, default=0, help="0: a per-preset default")
     parser.add_argument("--seq-len", type=int, default=0, help="0: a per-preset default")
-    parser.add_argument("--steps", type=int, default=0, help="timed steps per optimizer "
-                        "(0: 5 on CPU, 20 on CUDA)")
-    parser.add_argument("--warmup", type=int, default=-1, help="untimed steps per optimizer "
-                        "(-1: 1 on CPU, 5 on CUDA)")
+    parser.add_argument(
+        "--steps", type=int, default=0, help="timed steps per optimizer (0: 5 on CPU, 20 on CUDA)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=-1, help="untimed steps per optimizer (-1: 1 on CPU, 5 on CUDA)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -108,8 +113,9 @@ def main() -> None:
     print(f"device {device} ({precision}); peak: {peak_desc}")
     for preset in args.presets:
         default_batch, default_len = SHAPES["cpu" if on_cpu else "cuda"].get(preset, (8, 128))
-        bench_preset(preset, device, args.batch_size or default_batch,
-                     args.seq_len or default_len, steps, warmup, peak)
+        bench_preset(
+            preset, device, args.batch_size or default_batch, args.seq_len or default_len, steps, warmup, peak
+        )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ layers, d 64, seq 64). Seed k sets the searcher's seed and the training seed (in
 of every trial, so the spread of a method's best loss over seeds includes both.
 
 Utilization = sum over trials of the time in training steps (tokens / the reported training-window
-tokens/s) / (wall-clock x concurrent workers). Ray start-up of each trial (~tens of seconds here),
-evaluation and checkpoints are what it leaves out.
+tokens/s) / (wall-clock x concurrent workers). Each trial's start-up and wind-down, evaluation and
+checkpoints are what it leaves out.
 """
 
 from __future__ import annotations
@@ -40,17 +40,36 @@ from experiments.space import Space, apply_overrides, parse_space
 from experiments.train import checked_for_workers
 from experiments.tuner import new_tuner, search_config
 
-GRID = {"optim.lr": [3e-4, 3e-3, 3e-2], "optim.weight_decay": [0.0, 0.017, 0.3],
-        "optim.warmup": [0.05, 0.25]}  # 3 x 3 x 2 over the quickstart's search space
+GRID = {
+    "optim.lr": [3e-4, 3e-3, 3e-2],
+    "optim.weight_decay": [0.0, 0.017, 0.3],
+    "optim.warmup": [0.05, 0.25],
+}  # 3 x 3 x 2 over the quickstart's search space
 
 
 def task(data: str, steps: int, trials: int) -> RayExperiment:
-    return checked_for_workers(load_experiment("experiments/configs/quickstart.toml", [
-        f'data.dir="{data}"', "model.n_layer=2", "model.n_head=2", "model.n_kv_head=2",
-        "model.d_model=64", "model.seq_len=64", f"train.max_steps={steps}",
-        f"train.eval_interval={steps // 4}", "train.eval_tokens=16384", "train.log_interval=1000",
-        "train.keep_checkpoints=1", "sweep.baseline=false", 'sweep.budget=""',
-        f"sweep.num_samples={trials}", "sweep.reduction_factor=3"]))
+    return checked_for_workers(
+        load_experiment(
+            "experiments/configs/quickstart.toml",
+            [
+                f'data.dir="{data}"',
+                "model.n_layer=2",
+                "model.n_head=2",
+                "model.n_kv_head=2",
+                "model.d_model=64",
+                "model.seq_len=64",
+                f"train.max_steps={steps}",
+                f"train.eval_interval={steps // 4}",
+                "train.eval_tokens=16384",
+                "train.log_interval=1000",
+                "train.keep_checkpoints=1",
+                "sweep.baseline=false",
+                'sweep.budget=""',
+                f"sweep.num_samples={trials}",
+                "sweep.reduction_factor=3",
+            ],
+        )
+    )
 
 
 class TokenBudget(Stopper):
@@ -82,15 +101,18 @@ def run_method(name: str, cfg: RayExperiment, space: Space, root: Path, width: i
         tune_config.num_samples = 10 * cfg.sweep.num_samples  # the Stopper ends it first
         stop = TokenBudget(share * cfg.sweep.num_samples * trial_tokens(cfg))
     elif name == "random":
-        searcher = OptunaSearch(space=space.suggest, metric="val_loss", mode="min",
-                                sampler=optuna.samplers.RandomSampler(seed=cfg.sweep.seed))
+        searcher = OptunaSearch(
+            space=space.suggest,
+            metric="val_loss",
+            mode="min",
+            sampler=optuna.samplers.RandomSampler(seed=cfg.sweep.seed),
+        )
         tune_config = tune.TuneConfig(search_alg=searcher, num_samples=cfg.sweep.num_samples)
     else:
         param_space = {k: tune.grid_search(v) for k, v in GRID.items()}
         tune_config = tune.TuneConfig()
     start = time.perf_counter()
-    new_tuner(cfg, space, exp_dir, width, tune_config=tune_config, param_space=param_space,
-              stop=stop).fit()
+    new_tuner(cfg, space, exp_dir, width, tune_config=tune_config, param_space=param_space, stop=stop).fit()
     wall = time.perf_counter() - start
     return {"name": name, "wall": wall, **measure(exp_dir, width * cfg.resources.workers, wall)}
 
@@ -113,9 +135,14 @@ def measure(exp_dir: Path, workers: int, wall: float | None = None) -> dict[str,
         ends.append(frame["timestamp"].iloc[-1])
     wall = wall or (max(ends) - min(starts))
     losses = [t["val_loss"] for t in trials if not math.isnan(t["val_loss"])]
-    return {"best": min(losses) if losses else math.nan, "trials": len(trials),
-            "tokens": sum(t["tokens"] for t in trials), "train_s": train_s,
-            "utilization": train_s / (wall * workers), "span": wall}
+    return {
+        "best": min(losses) if losses else math.nan,
+        "trials": len(trials),
+        "tokens": sum(t["tokens"] for t in trials),
+        "train_s": train_s,
+        "utilization": train_s / (wall * workers),
+        "span": wall,
+    }
 
 
 def main() -> None:
@@ -125,26 +152,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="steps per full trial")
     parser.add_argument("--methods", default="tpe+asha,tpe+asha/3,random,grid")
     parser.add_argument("--seeds", type=int, default=3, help="runs of each method (seeds 0..N-1)")
-    parser.add_argument("--utilization", metavar="EXPERIMENT_DIR", default=None,
-                        help="only measure the utilization of an existing sweep")
+    parser.add_argument(
+        "--utilization",
+        metavar="EXPERIMENT_DIR",
+        default=None,
+        help="only measure the utilization of an existing sweep",
+    )
     args = parser.parse_args()
     if args.utilization:
         exp_dir = Path(args.utilization).resolve()
         cfg = load_experiment(exp_dir / "gptrun.toml")
         width = json.loads((exp_dir / "sweep.json").read_text())["max_concurrent"]
         m = measure(exp_dir, width * cfg.resources.workers)
-        print(f"{exp_dir.name}: {m['trials']} trials, {width} at a time, wall {m['span']:.0f} s "
-              f"(first trial start to last report), {m['train_s']:.0f} s in training steps: "
-              f"utilization {m['utilization']:.1%}")
+        print(
+            f"{exp_dir.name}: {m['trials']} trials, {width} at a time, wall {m['span']:.0f} s "
+            f"(first trial start to last report), {m['train_s']:.0f} s in training steps: "
+            f"utilization {m['utilization']:.1%}"
+        )
         return
     base = task(args.data, args.steps, args.trials)
     space = parse_space(base)
     width = concurrency(base, *local_resources())
     names = args.methods.split(",")
-    print(f"task: quickstart shrunk to 2 layers, d 64, seq 64; {args.steps} steps = "
-          f"{trial_tokens(base):,} tokens per full trial; budget {args.trials} full trials = "
-          f"{args.trials * trial_tokens(base):,} tokens; {width} trials at a time; "
-          f"seeds {list(range(args.seeds))}")
+    print(
+        f"task: quickstart shrunk to 2 layers, d 64, seq 64; {args.steps} steps = "
+        f"{trial_tokens(base):,} tokens per full trial; budget {args.trials} full trials = "
+        f"{args.trials * trial_tokens(base):,} tokens; {width} trials at a time; "
+        f"seeds {list(range(args.seeds))}"
+    )
     runs: dict[str, list[dict]] = {name: [] for name in names}
     with ray_session(), tempfile.TemporaryDirectory() as root:
         for seed in range(args.seeds):  # seeds outermost: a drift in machine load hits all methods
@@ -152,17 +187,24 @@ def main() -> None:
             for name in names:
                 r = run_method(name, cfg, space, Path(root), width)
                 runs[name].append(r)
-                print(f"  seed {seed} {name}: best {r['best']:.4f}, {r['trials']} trials, "
-                      f"{r['wall']:.0f} s, utilization {r['utilization']:.1%}", flush=True)
-    print(f"{'method':>10}  {'best val loss (mean +- std)':>27}  {'trials':>6}  {'tokens':>10}  "
-          f"{'wall s':>7}  {'utilization':>11}")
+                print(
+                    f"  seed {seed} {name}: best {r['best']:.4f}, {r['trials']} trials, "
+                    f"{r['wall']:.0f} s, utilization {r['utilization']:.1%}",
+                    flush=True,
+                )
+    print(
+        f"{'method':>10}  {'best val loss (mean +- std)':>27}  {'trials':>6}  {'tokens':>10}  "
+        f"{'wall s':>7}  {'utilization':>11}"
+    )
     for name, rs in runs.items():
         best = [r["best"] for r in rs]
-        print(f"{name:>10}  {statistics.fmean(best):18.4f} +- {_std(best):.4f}  "
-              f"{statistics.fmean(r['trials'] for r in rs):6.1f}  "
-              f"{statistics.fmean(r['tokens'] for r in rs):10,.0f}  "
-              f"{statistics.fmean(r['wall'] for r in rs):7.0f}  "
-              f"{statistics.fmean(r['utilization'] for r in rs):11.1%}")
+        print(
+            f"{name:>10}  {statistics.fmean(best):18.4f} +- {_std(best):.4f}  "
+            f"{statistics.fmean(r['trials'] for r in rs):6.1f}  "
+            f"{statistics.fmean(r['tokens'] for r in rs):10,.0f}  "
+            f"{statistics.fmean(r['wall'] for r in rs):7.0f}  "
+            f"{statistics.fmean(r['utilization'] for r in rs):11.1%}"
+        )
     if "grid" in runs:
         grid = runs["grid"]
         for name, rs in runs.items():
@@ -170,8 +212,10 @@ def main() -> None:
                 continue
             gap = statistics.fmean(r["best"] for r in rs) - statistics.fmean(r["best"] for r in grid)
             walls = statistics.fmean(r["wall"] for r in rs) / statistics.fmean(r["wall"] for r in grid)
-            print(f"{name} vs grid: {gap:+.4f} nats (seed std {_std([r['best'] for r in rs]):.4f}"
-                  f" vs {_std([r['best'] for r in grid]):.4f}), {walls:.2f}x the wall-clock")
+            print(
+                f"{name} vs grid: {gap:+.4f} nats (seed std {_std([r['best'] for r in rs]):.4f}"
+                f" vs {_std([r['best'] for r in grid]):.4f}), {walls:.2f}x the wall-clock"
+            )
 
 
 def _std(values: list[float]) -> float:

@@ -51,8 +51,10 @@ LOOPBACK = "127.0.0.1"
 STATE_FILE = "state.json"
 TOKEN_FILE = "token"
 STARTED = "Ray runtime started."
-USAGE = ("usage: cluster/local.sh {up [--nodes N] [--cpus-per-node C] | status | down | "
-         "kill-node NAME | start-node NAME | env} [--dir STATE_DIR]")
+USAGE = (
+    "usage: cluster/local.sh {up [--nodes N] [--cpus-per-node C] | status | down | "
+    "kill-node NAME | start-node NAME | env} [--dir STATE_DIR]"
+)
 
 
 class ClusterError(Exception):
@@ -89,15 +91,19 @@ def write_token(path: Path) -> None:
 
 
 def client_exports(state: dict[str, Any]) -> str:
-    return (f"export RAY_ADDRESS={state['address']} RAY_AUTH_MODE=token "
-            f"RAY_AUTH_TOKEN_PATH={shlex.quote(state['token_path'])}")
+    return (
+        f"export RAY_ADDRESS={state['address']} RAY_AUTH_MODE=token "
+        f"RAY_AUTH_TOKEN_PATH={shlex.quote(state['token_path'])}"
+    )
 
 
 def node_env(state: dict[str, Any]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_AUTH_TOKEN", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=state["token_path"],
-               RAY_USAGE_STATS_ENABLED="0")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_AUTH_TOKEN", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+    }
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=state["token_path"], RAY_USAGE_STATS_ENABLED="0")
     return env
 
 
@@ -110,7 +116,7 @@ def proc_stat(pid: int) -> tuple[int, int] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+    fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) "
     if fields[0] in ("Z", "X"):  # a zombie has exited; its parent has not reaped it yet
         return None
     return int(fields[3]), int(fields[19])
@@ -198,41 +204,88 @@ def start_node(root: Path, state: dict[str, Any], name: str, cpus: int, gpus: in
     """Launch `ray start --block` for one node in a new session; return its record (not yet
     known to be up: see `wait_started`)."""
     head = name == "head"
-    keys = ("node_manager", "object_manager", "agent_listen", "agent_grpc", "runtime_env",
-            "metrics")
+    keys = ("node_manager", "object_manager", "agent_listen", "agent_grpc", "runtime_env", "metrics")
     ports = dict(zip(keys, free_ports(len(keys), used_ports(state)), strict=True))
     temp_dir = Path(state["temp_root"]) / name
     temp_dir.mkdir(parents=True, exist_ok=True)
-    args = [*ray_command(), "start", "--block", "--disable-usage-stats",
-            "--node-ip-address", LOOPBACK, "--num-cpus", str(cpus), "--num-gpus", str(gpus),
-            "--temp-dir", str(temp_dir),
-            "--object-store-memory", str(state["object_store_mb"] * 1024 * 1024),
-            "--node-manager-port", str(ports["node_manager"]),
-            "--object-manager-port", str(ports["object_manager"]),
-            "--dashboard-agent-listen-port", str(ports["agent_listen"]),
-            "--dashboard-agent-grpc-port", str(ports["agent_grpc"]),
-            "--runtime-env-agent-port", str(ports["runtime_env"]),
-            "--metrics-export-port", str(ports["metrics"]),
-            # 0/0: each worker process binds a port the OS picks, so the nodes' workers (and
-            # other Ray instances on this machine) never compete for one fixed range.
-            "--min-worker-port", "0", "--max-worker-port", "0"]
+    args = [
+        *ray_command(),
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        "--node-ip-address",
+        LOOPBACK,
+        "--num-cpus",
+        str(cpus),
+        "--num-gpus",
+        str(gpus),
+        "--temp-dir",
+        str(temp_dir),
+        "--object-store-memory",
+        str(state["object_store_mb"] * 1024 * 1024),
+        "--node-manager-port",
+        str(ports["node_manager"]),
+        "--object-manager-port",
+        str(ports["object_manager"]),
+        "--dashboard-agent-listen-port",
+        str(ports["agent_listen"]),
+        "--dashboard-agent-grpc-port",
+        str(ports["agent_grpc"]),
+        "--runtime-env-agent-port",
+        str(ports["runtime_env"]),
+        "--metrics-export-port",
+        str(ports["metrics"]),
+        # 0/0: each worker process binds a port the OS picks, so the nodes' workers (and
+        # other Ray instances on this machine) never compete for one fixed range.
+        "--min-worker-port",
+        "0",
+        "--max-worker-port",
+        "0",
+    ]
     if head:
-        args += ["--head", "--port", str(state["port"]), "--include-dashboard", "true",
-                 "--dashboard-host", LOOPBACK, "--dashboard-port", str(state["dashboard_port"]),
-                 "--ray-client-server-port", str(state["client_port"])]
+        args += [
+            "--head",
+            "--port",
+            str(state["port"]),
+            "--include-dashboard",
+            "true",
+            "--dashboard-host",
+            LOOPBACK,
+            "--dashboard-port",
+            str(state["dashboard_port"]),
+            "--ray-client-server-port",
+            str(state["client_port"]),
+        ]
     else:
         args += ["--address", state["address"]]
     log_path = root / "logs" / f"{name}.log"
     log_path.parent.mkdir(exist_ok=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                env=node_env(state), start_new_session=True, cwd=root)
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=node_env(state),
+            start_new_session=True,
+            cwd=root,
+        )
     st = proc_stat(proc.pid)
     if st is None:
         raise ClusterError(f"`ray start` for node {name} exited at once; see {log_path}")
-    return {"name": name, "head": head, "pid": proc.pid, "sid": proc.pid, "start_ticks": st[1],
-            "cpus": cpus, "gpus": gpus, "ports": ports, "temp_dir": str(temp_dir),
-            "log": str(log_path), "log_offset": log_path.stat().st_size}
+    return {
+        "name": name,
+        "head": head,
+        "pid": proc.pid,
+        "sid": proc.pid,
+        "start_ticks": st[1],
+        "cpus": cpus,
+        "gpus": gpus,
+        "ports": ports,
+        "temp_dir": str(temp_dir),
+        "log": str(log_path),
+        "log_offset": log_path.stat().st_size,
+    }
 
 
 def wait_started(node: dict[str, Any], timeout: float) -> None:
@@ -265,9 +318,15 @@ def gcs_nodes(state: dict[str, Any], timeout: float = 10.0) -> list[dict[str, An
     infos = client.get_all_node_info(timeout=timeout)
     nodes = []
     for info in infos.values():
-        nodes.append({"node_id": info.node_id.hex(), "alive": info.state == 0,
-                      "port": info.node_manager_port, "head": info.is_head_node,
-                      "resources": dict(info.resources_total)})
+        nodes.append(
+            {
+                "node_id": info.node_id.hex(),
+                "alive": info.state == 0,
+                "port": info.node_manager_port,
+                "head": info.is_head_node,
+                "resources": dict(info.resources_total),
+            }
+        )
     return nodes
 
 
@@ -283,8 +342,10 @@ def wait_registered(state: dict[str, Any], names: list[str], timeout: float) -> 
             return
         if time.monotonic() > deadline:
             missing = [n["name"] for p, n in by_port.items() if p not in alive]
-            raise ClusterError(f"node(s) {', '.join(missing)} did not register with the head "
-                               f"within {timeout:g}s; see {Path(state['nodes'][0]['log']).parent}")
+            raise ClusterError(
+                f"node(s) {', '.join(missing)} did not register with the head "
+                f"within {timeout:g}s; see {Path(state['nodes'][0]['log']).parent}"
+            )
         time.sleep(0.5)
 
 
@@ -311,8 +372,10 @@ def stop_node(node: dict[str, Any], grace: float) -> list[int]:
 def cmd_up(args: argparse.Namespace, root: Path) -> int:
     state = load_state(root)
     if state and any(session_pids(n) for n in state["nodes"]):
-        raise ClusterError(f"a cluster from {root} is running ({state['address']}); "
-                           "`cluster/local.sh down` first, or use another --dir")
+        raise ClusterError(
+            f"a cluster from {root} is running ({state['address']}); "
+            "`cluster/local.sh down` first, or use another --dir"
+        )
     if args.nodes < 0 or args.cpus_per_node < 1 or args.object_store_mb < 80:
         raise ClusterError("--nodes must be >= 0, --cpus-per-node >= 1, --object-store-mb >= 80")
     root.mkdir(parents=True, exist_ok=True)
@@ -324,20 +387,28 @@ def cmd_up(args: argparse.Namespace, root: Path) -> int:
     port = args.port or free_ports(1, set())[0]
     dashboard, client = free_ports(2, {port})
     temp_root = tempfile.mkdtemp(prefix="gptrun-ray-")  # short: Unix socket paths <= 107 bytes
-    state = {"address": f"{LOOPBACK}:{port}", "port": port, "dashboard_port": dashboard,
-             "client_port": client, "token_path": str(token_path), "temp_root": temp_root,
-             "object_store_mb": args.object_store_mb, "python": sys.executable,
-             "started_unix": time.time(), "nodes": []}
+    state = {
+        "address": f"{LOOPBACK}:{port}",
+        "port": port,
+        "dashboard_port": dashboard,
+        "client_port": client,
+        "token_path": str(token_path),
+        "temp_root": temp_root,
+        "object_store_mb": args.object_store_mb,
+        "python": sys.executable,
+        "started_unix": time.time(),
+        "nodes": [],
+    }
     save_state(root, state)
     try:
-        head = start_node(root, state, "head", args.head_cpus or args.cpus_per_node,
-                          args.gpus_per_node)
+        head = start_node(root, state, "head", args.head_cpus or args.cpus_per_node, args.gpus_per_node)
         state["nodes"].append(head)
         save_state(root, state)
         wait_started(head, args.timeout)
         for i in range(1, args.nodes + 1):
-            state["nodes"].append(start_node(root, state, f"worker{i}", args.cpus_per_node,
-                                             args.gpus_per_node))
+            state["nodes"].append(
+                start_node(root, state, f"worker{i}", args.cpus_per_node, args.gpus_per_node)
+            )
             save_state(root, state)
         for node in state["nodes"][1:]:
             wait_started(node, args.timeout)
@@ -350,13 +421,17 @@ def cmd_up(args: argparse.Namespace, root: Path) -> int:
         raise
     (root / "env.sh").write_text(client_exports(state) + "\n")
     cpus = sum(n["cpus"] for n in state["nodes"])
-    print(f"Ray cluster up: head + {args.nodes} worker node(s), {cpus} CPUs in all, token auth "
-          f"on; state in {root}")
+    print(
+        f"Ray cluster up: head + {args.nodes} worker node(s), {cpus} CPUs in all, token auth "
+        f"on; state in {root}"
+    )
     print("Client environment (or: source " + shlex.quote(str(root / "env.sh")) + "):")
     print(f"  {client_exports(state)}")
     print("Then, for example:")
-    print(f"  gptrun sweep experiments/configs/quickstart.toml --address {state['address']} "
-          "--storage $PWD/sweeps")
+    print(
+        f"  gptrun sweep experiments/configs/quickstart.toml --address {state['address']} "
+        "--storage $PWD/sweeps"
+    )
     print(f"Dashboard (this machine only, token required): http://{LOOPBACK}:{dashboard}")
     print("Stop it: cluster/local.sh down" + (f" --dir {root}" if args.dir else ""))
     return 0
@@ -379,8 +454,10 @@ def cmd_status(args: argparse.Namespace, root: Path) -> int:
         g = known.get(node["ports"]["node_manager"])
         ray_state = "-" if g is None else ("alive" if g["alive"] else "dead")
         res = g["resources"] if g else {}
-        print(f"{node['name']:<10} {node['pid']:>8} {procs:>5}  {ray_state:<6} "
-              f"{res.get('CPU', 0):>4g} {res.get('GPU', 0):>4g}  {node.get('node_id', '?')}")
+        print(
+            f"{node['name']:<10} {node['pid']:>8} {procs:>5}  {ray_state:<6} "
+            f"{res.get('CPU', 0):>4g} {res.get('GPU', 0):>4g}  {node.get('node_id', '?')}"
+        )
     alive = [g for g in known.values() if g["alive"]]
     total = {k: sum(g["resources"].get(k, 0) for g in alive) for k in ("CPU", "GPU")}
     print(f"alive: {len(alive)} node(s), {total['CPU']:g} CPUs, {total['GPU']:g} GPUs")
@@ -404,8 +481,7 @@ def cmd_down(args: argparse.Namespace, root: Path) -> int:
     for name in (STATE_FILE, TOKEN_FILE, "env.sh"):
         with contextlib.suppress(FileNotFoundError):
             (root / name).unlink()
-    print(f"Ray cluster {state['address']} down: {len(state['nodes'])} node(s) stopped, "
-          "no process left")
+    print(f"Ray cluster {state['address']} down: {len(state['nodes'])} node(s) stopped, no process left")
     return 0
 
 
@@ -452,8 +528,10 @@ def cmd_env(args: argparse.Namespace, root: Path) -> int:
 def require_state(root: Path) -> dict[str, Any]:
     state = load_state(root)
     if state is None:
-        raise ClusterError(f"no cluster state in {root}; start one with `cluster/local.sh up` "
-                           "(or pass --dir / set GPTRUN_CLUSTER_DIR)")
+        raise ClusterError(
+            f"no cluster state in {root}; start one with `cluster/local.sh up` "
+            "(or pass --dir / set GPTRUN_CLUSTER_DIR)"
+        )
     return state
 
 
@@ -466,26 +544,32 @@ def find_node(state: dict[str, Any], name: str) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dir", default=None,
-                        help="state folder (default: $GPTRUN_CLUSTER_DIR or ./.cluster)")
-    p = argparse.ArgumentParser(prog="cluster/local.sh",
-                                description="A multi-node Ray cluster on this machine (token "
-                                            "auth, dashboard on 127.0.0.1).")
+    common.add_argument(
+        "--dir", default=None, help="state folder (default: $GPTRUN_CLUSTER_DIR or ./.cluster)"
+    )
+    p = argparse.ArgumentParser(
+        prog="cluster/local.sh",
+        description="A multi-node Ray cluster on this machine (token auth, dashboard on 127.0.0.1).",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up = sub.add_parser("up", parents=[common], help="start a head and N worker nodes")
     up.add_argument("--nodes", type=int, default=1, help="worker nodes besides the head (1)")
     up.add_argument("--cpus-per-node", type=int, default=1, help="logical CPUs per node (1)")
-    up.add_argument("--head-cpus", type=int, default=None,
-                    help="logical CPUs of the head (default: --cpus-per-node)")
-    up.add_argument("--gpus-per-node", type=int, default=0,
-                    help="logical GPUs per node (0; on one machine the nodes share the devices)")
+    up.add_argument(
+        "--head-cpus", type=int, default=None, help="logical CPUs of the head (default: --cpus-per-node)"
+    )
+    up.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        help="logical GPUs per node (0; on one machine the nodes share the devices)",
+    )
     up.add_argument("--port", type=int, default=None, help="GCS port (default: a free one)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store per node")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait per step")
     sub.add_parser("status", parents=[common], help="address, nodes and resources")
     down = sub.add_parser("down", parents=[common], help="stop every process `up` started")
-    down.add_argument("--grace", type=float, default=20.0,
-                      help="seconds between SIGTERM and SIGKILL (20)")
+    down.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL (20)")
     down.add_argument("--keep-logs", action="store_true", help="keep Ray's session folders")
     kill = sub.add_parser("kill-node", parents=[common], help="SIGKILL a worker node")
     kill.add_argument("name")
@@ -497,8 +581,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "kill-node": cmd_kill_node,
-            "start-node": cmd_start_node, "env": cmd_env}
+COMMANDS = {
+    "up": cmd_up,
+    "status": cmd_status,
+    "down": cmd_down,
+    "kill-node": cmd_kill_node,
+    "start-node": cmd_start_node,
+    "env": cmd_env,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

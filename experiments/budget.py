@@ -76,6 +76,6 @@ def expected_tokens(num_samples: int, rungs: list[int], reduction_factor: int) -
     """Tokens trained if ASHA promotes 1/reduction_factor of the trials at every rung."""
     total, previous = 0.0, 0
     for k, milestone in enumerate(rungs):
-        total += num_samples / reduction_factor ** k * (milestone - previous)
+        total += num_samples / reduction_factor**k * (milestone - previous)
         previous = milestone
     return total

@@ -29,51 +29,81 @@ examples:
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)",
+    )
 
 
 def _add_cluster(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=None,
-                   help="Ray cluster to join: 'auto', 'host:port' or 'ray://host:10001' "
-                        "(default: start a local Ray instance)")
-    p.add_argument("--storage", default=None,
-                   help="where runs and checkpoints live: a path shared by all nodes, or an "
-                        "s3:// / gs:// URI")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join: 'auto', 'host:port' or 'ray://host:10001' "
+        "(default: start a local Ray instance)",
+    )
+    p.add_argument(
+        "--storage",
+        default=None,
+        help="where runs and checkpoints live: a path shared by all nodes, or an s3:// / gs:// URI",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gptrun", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-        description="Train small GPTs from scratch and sweep their hyperparameters on Ray.")
+        prog="gptrun",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        description="Train small GPTs from scratch and sweep their hyperparameters on Ray.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("prepare", help="train a BPE tokenizer and write uint16 token shards",
-                       description="Read a corpus, train (or reuse) a byte-level BPE tokenizer and "
-                                   "write tokenizer.json, train/val uint16 .npy shards and meta.json "
-                                   "into --out, atomically.")
+    p = sub.add_parser(
+        "prepare",
+        help="train a BPE tokenizer and write uint16 token shards",
+        description="Read a corpus, train (or reuse) a byte-level BPE tokenizer and "
+        "write tokenizer.json, train/val uint16 .npy shards and meta.json "
+        "into --out, atomically.",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--corpus", help="a built-in corpus: shakespeare, kjv, python-stdlib")
-    src.add_argument("--input", nargs="+", metavar="PATH",
-                     help=".txt, .jsonl, .parquet files or folders of them")
+    src.add_argument(
+        "--input", nargs="+", metavar="PATH", help=".txt, .jsonl, .parquet files or folders of them"
+    )
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--vocab-size", type=int, default=6400, help="BPE vocabulary (default 6400)")
-    p.add_argument("--text-field", default="text",
-                   help="JSONL field / parquet column holding the text (default: text)")
-    p.add_argument("--val-fraction", type=float, default=None,
-                   help="fraction of documents held out for validation (default: 1%% or enough "
-                        "for ~300k tokens, whichever is more, capped at 10%%)")
+    p.add_argument(
+        "--text-field", default="text", help="JSONL field / parquet column holding the text (default: text)"
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="fraction of documents held out for validation (default: 1%% or enough "
+        "for ~300k tokens, whichever is more, capped at 10%%)",
+    )
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training")
-    p.add_argument("--errors", choices=("strict", "replace"), default="strict",
-                   help="what to do with bytes that are not UTF-8 (default: strict = stop)")
+    p.add_argument(
+        "--errors",
+        choices=("strict", "replace"),
+        default="strict",
+        help="what to do with bytes that are not UTF-8 (default: strict = stop)",
+    )
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPUs)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out is up to date")
     p.set_defaults(handler=_prepare)
 
-    p = sub.add_parser("train", help="train one model (Ray Train, or in-process with --local)",
-                       description="Train one model from an experiment TOML. Without --local it "
-                                   "runs as a Ray Train job (DDP over --workers); running the same "
-                                   "command again resumes from the last checkpoint.")
+    p = sub.add_parser(
+        "train",
+        help="train one model (Ray Train, or in-process with --local)",
+        description="Train one model from an experiment TOML. Without --local it "
+        "runs as a Ray Train job (DDP over --workers); running the same "
+        "command again resumes from the last checkpoint.",
+    )
     p.add_argument("config", help="experiment TOML, e.g. experiments/configs/quickstart.toml")
     p.add_argument("--data", default=None, help="prepared data folder (overrides data.dir)")
     p.add_argument("--out", default=None, help="run folder (overrides train.out)")
@@ -81,8 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="DDP workers (resources.workers)")
     p.add_argument("--gpus-per-worker", type=float, default=None)
     p.add_argument("--cpus-per-worker", type=float, default=None)
-    p.add_argument("--max-failures", type=int, default=3,
-                   help="worker-group restarts from the last checkpoint (default 3)")
+    p.add_argument(
+        "--max-failures",
+        type=int,
+        default=3,
+        help="worker-group restarts from the last checkpoint (default 3)",
+    )
     p.add_argument("--name", default=None, help="Ray run name (default: from the config)")
     _add_cluster(p)
     _add_overrides(p)
@@ -97,29 +131,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables nucleus sampling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="recompute the prefix every token")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="keep sampling past <|endoftext|> (the end of a training document)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer.json (default: the one in the checkpoint's data folder)")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep sampling past <|endoftext|> (the end of a training document)",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
+    )
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=_sample)
 
     p = sub.add_parser("plan", help="what a sweep will cost, before it runs")
     p.add_argument("config")
-    p.add_argument("--tokens-per-sec", type=float, default=None,
-                   help="per-trial throughput; default: measured by a short probe")
+    p.add_argument(
+        "--tokens-per-sec",
+        type=float,
+        default=None,
+        help="per-trial throughput; default: measured by a short probe",
+    )
     p.add_argument("--cpus", type=float, default=None, help="cluster CPUs (default: this machine)")
     p.add_argument("--gpus", type=float, default=None, help="cluster GPUs (default: this machine)")
     _add_overrides(p)
     p.set_defaults(handler=_plan)
 
-    p = sub.add_parser("sweep", help="Optuna (TPE) + ASHA search over lr, weight decay, warmup",
-                       description="Run a Ray Tune sweep. Kill it at any time; `gptrun resume` "
-                                   "continues it without losing trials.")
+    p = sub.add_parser(
+        "sweep",
+        help="Optuna (TPE) + ASHA search over lr, weight decay, warmup",
+        description="Run a Ray Tune sweep. Kill it at any time; `gptrun resume` "
+        "continues it without losing trials.",
+    )
     p.add_argument("config")
     p.add_argument("--name", default=None, help="experiment name (default: config name)")
-    p.add_argument("--restart", action="store_true",
-                   help="delete an existing experiment of this name and start over")
+    p.add_argument(
+        "--restart", action="store_true", help="delete an existing experiment of this name and start over"
+    )
     _add_cluster(p)
     _add_overrides(p)
     p.set_defaults(handler=_sweep)
@@ -129,17 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None)
     p.set_defaults(handler=_resume)
 
-    p = sub.add_parser("confirm", help="re-run the best configs with new seeds: what is noise",
-                       description="Re-run the K best completed trials of a sweep with S new "
-                                   "seeds at full budget, report mean +- std for each and whether "
-                                   "the best is separated from the runner-up (Welch t-test). "
-                                   "Writes EXPERIMENT_DIR/noise.json; `gptrun report` shows it. "
-                                   "Killed, the same command resumes it.")
+    p = sub.add_parser(
+        "confirm",
+        help="re-run the best configs with new seeds: what is noise",
+        description="Re-run the K best completed trials of a sweep with S new "
+        "seeds at full budget, report mean +- std for each and whether "
+        "the best is separated from the runner-up (Welch t-test). "
+        "Writes EXPERIMENT_DIR/noise.json; `gptrun report` shows it. "
+        "Killed, the same command resumes it.",
+    )
     p.add_argument("experiment_dir")
     p.add_argument("--top", type=int, default=3, help="how many of the best configs (default 3)")
     p.add_argument("--seeds", type=int, default=3, help="new seeds per config (default 3)")
-    p.add_argument("--restart", action="store_true",
-                   help="replace an earlier confirm with a different --top / --seeds")
+    p.add_argument(
+        "--restart", action="store_true", help="replace an earlier confirm with a different --top / --seeds"
+    )
     p.add_argument("--address", default=None)
     p.set_defaults(handler=_confirm)
 
@@ -154,10 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _prepare(args: argparse.Namespace) -> int:
     from gptcore.prepare import prepare
 
-    prepare(inputs=args.input or [], corpus=args.corpus, out=args.out,
-            vocab_size=args.vocab_size, text_field=args.text_field,
-            val_fraction=args.val_fraction, tokenizer=args.tokenizer, force=args.force,
-            errors=args.errors, workers=args.workers)
+    prepare(
+        inputs=args.input or [],
+        corpus=args.corpus,
+        out=args.out,
+        vocab_size=args.vocab_size,
+        text_field=args.text_field,
+        val_fraction=args.val_fraction,
+        tokenizer=args.tokenizer,
+        force=args.force,
+        errors=args.errors,
+        workers=args.workers,
+    )
     return 0
 
 
@@ -169,8 +227,11 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"data.dir={_toml_str(args.data)}")
     if args.out:
         overrides.append(f"train.out={_toml_str(args.out)}")
-    for flag, key in (("workers", "workers"), ("gpus_per_worker", "gpus_per_worker"),
-                      ("cpus_per_worker", "cpus_per_worker")):
+    for flag, key in (
+        ("workers", "workers"),
+        ("gpus_per_worker", "gpus_per_worker"),
+        ("cpus_per_worker", "cpus_per_worker"),
+    ):
         if getattr(args, flag) is not None:
             overrides.append(f"resources.{key}={getattr(args, flag)}")
     cfg = load_experiment(args.config, overrides)
@@ -181,33 +242,50 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from experiments.train import train_on_ray
 
-    return train_on_ray(cfg, address=args.address, storage=args.storage, name=args.name,
-                        max_failures=args.max_failures)
+    return train_on_ray(
+        cfg, address=args.address, storage=args.storage, name=args.name, max_failures=args.max_failures
+    )
 
 
 def _sample(args: argparse.Namespace) -> int:
     from gptcore.sample import sample_cli
 
-    sample_cli(args.checkpoint, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-               use_cache=not args.no_cache, tokenizer=args.tokenizer, device=args.device,
-               ignore_eos=args.ignore_eos)
+    sample_cli(
+        args.checkpoint,
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        use_cache=not args.no_cache,
+        tokenizer=args.tokenizer,
+        device=args.device,
+        ignore_eos=args.ignore_eos,
+    )
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
     from experiments.plan import plan_cli
 
-    return plan_cli(args.config, args.overrides, tokens_per_sec=args.tokens_per_sec,
-                    cpus=args.cpus, gpus=args.gpus)
+    return plan_cli(
+        args.config, args.overrides, tokens_per_sec=args.tokens_per_sec, cpus=args.cpus, gpus=args.gpus
+    )
 
 
 def _sweep(args: argparse.Namespace) -> int:
     from experiments.cluster import ray_session
     from experiments.sweep import plan_sweep, run_sweep
 
-    plan = plan_sweep(args.config, args.overrides, name=args.name, storage=args.storage,
-                      restart=args.restart, address=args.address)
+    plan = plan_sweep(
+        args.config,
+        args.overrides,
+        name=args.name,
+        storage=args.storage,
+        restart=args.restart,
+        address=args.address,
+    )
     with ray_session(args.address, extra_local_cpus=plan.extra_local_cpus):
         return _then_confirm(run_sweep(plan), plan)
 
@@ -235,8 +313,9 @@ def _then_confirm(status: int, plan: Any) -> int:
 def _confirm(args: argparse.Namespace) -> int:
     from experiments.confirm import confirm_cli
 
-    return confirm_cli(args.experiment_dir, top=args.top, seeds=args.seeds, address=args.address,
-                       restart=args.restart)
+    return confirm_cli(
+        args.experiment_dir, top=args.top, seeds=args.seeds, address=args.address, restart=args.restart
+    )
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -27,8 +27,10 @@ PROBE_TIMEOUT_S = 10.0  # the gRPC probe's own cap (RESOURCE_WAIT_S bounds it fu
 # server's cluster info (for ray:// addresses). The request bodies are empty protobufs.
 GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 CLIENT_PROBE = "/ray.rpc.RayletDriver/ClusterInfo"
-TOKEN_HINT = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> "
-              "(`cluster/local.sh env` prints the line for a local cluster)")
+TOKEN_HINT = (
+    "export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token file> "
+    "(`cluster/local.sh env` prints the line for a local cluster)"
+)
 
 
 def resolve_address(address: str | None) -> str | None:
@@ -61,16 +63,24 @@ def ray_session(address: str | None = None, extra_local_cpus: int = 0) -> Iterat
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "900")
     try:
         if address is None:  # "local": never attach to another `ray start` on this machine
-            ray.init(address="local", num_cpus=(os.cpu_count() or 1) + extra_local_cpus,
-                     # The dashboard serves Ray's state API, which Ray Train's placement-group
-                     # cleaner needs: without it a trial that ASHA stops leaks its CPUs/GPUs.
-                     include_dashboard=True, dashboard_host="127.0.0.1", logging_level="warning",
-                     configure_logging=True, log_to_driver=True)
+            ray.init(
+                address="local",
+                num_cpus=(os.cpu_count() or 1) + extra_local_cpus,
+                # The dashboard serves Ray's state API, which Ray Train's placement-group
+                # cleaner needs: without it a trial that ASHA stops leaks its CPUs/GPUs.
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                logging_level="warning",
+                configure_logging=True,
+                log_to_driver=True,
+            )
         else:
             ray.init(address=address, logging_level="warning")
     except ConnectionError as err:
-        raise UserError(f"could not connect to a Ray cluster at {address!r} ({err}); start one "
-                        "with `ray start --head` or pass the right --address") from None
+        raise UserError(
+            f"could not connect to a Ray cluster at {address!r} ({err}); start one "
+            "with `ray start --head` or pass the right --address"
+        ) from None
     try:
         yield
     finally:
@@ -96,32 +106,44 @@ def check_cluster(address: str, timeout: float | None = None) -> str:
         with socket.create_connection((host, port), timeout=max(1.0, timeout / 2)):
             pass
     except OSError as err:
-        raise UserError(f"nothing answers at --address {address} ({err.strerror or err}); check "
-                        "the address or start the cluster with `ray start --head`") from None
+        raise UserError(
+            f"nothing answers at --address {address} ({err.strerror or err}); check "
+            "the address or start the cluster with `ray start --head`"
+        ) from None
     metadata = _auth_metadata()
-    code, details = _grpc_probe(f"{host}:{port}", CLIENT_PROBE if client else GCS_PROBE, metadata,
-                                max(0.5, deadline - time.monotonic()))
+    code, details = _grpc_probe(
+        f"{host}:{port}",
+        CLIENT_PROBE if client else GCS_PROBE,
+        metadata,
+        max(0.5, deadline - time.monotonic()),
+    )
     if code is None or (client and code not in _NOT_RAY and code != "UNAUTHENTICATED"):
         return address
     if code == "UNAUTHENTICATED":
-        why = ("the token sent does not match" if metadata else
-               "no token sent: RAY_AUTH_MODE is not 'token' here")
-        raise UserError(f"the Ray cluster at {address} refused this client ({why}); "
-                        f"{TOKEN_HINT}")
+        why = (
+            "the token sent does not match"
+            if metadata
+            else "no token sent: RAY_AUTH_MODE is not 'token' here"
+        )
+        raise UserError(f"the Ray cluster at {address} refused this client ({why}); {TOKEN_HINT}")
     if code == "DEADLINE_EXCEEDED":
-        raise UserError(f"the server at --address {address} did not answer a Ray request within "
-                        f"{timeout:g}s (GPTRUN_RESOURCE_WAIT_S); is the head overloaded, or is "
-                        "this not a Ray head?")
+        raise UserError(
+            f"the server at --address {address} did not answer a Ray request within "
+            f"{timeout:g}s (GPTRUN_RESOURCE_WAIT_S); is the head overloaded, or is "
+            "this not a Ray head?"
+        )
     if code == "UNIMPLEMENTED":
         kind = "a gRPC service that is not the Ray head (a raylet or another service?)"
     elif code == "UNAVAILABLE":
         kind = "not a Ray head (it does not speak gRPC: a web server, or the dashboard port?)"
     else:
         kind = f"not a Ray head ({details})"
-    port_hint = ("the Ray Client port (10001 by default)" if client else
-                 "the head's GCS port (`ray start --head --port`, 6379 by default)")
-    raise UserError(f"something answers at --address {address} but it is {kind}; "
-                    f"give {port_hint}")
+    port_hint = (
+        "the Ray Client port (10001 by default)"
+        if client
+        else "the head's GCS port (`ray start --head --port`, 6379 by default)"
+    )
+    raise UserError(f"something answers at --address {address} but it is {kind}; give {port_hint}")
 
 
 _NOT_RAY = {"UNAVAILABLE", "UNIMPLEMENTED", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN"}
@@ -168,24 +190,28 @@ def _auth_metadata() -> tuple[tuple[str, str], ...]:
         has_token = False
     if not has_token and get_authentication_mode() == AuthenticationMode.TOKEN:
         path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-        where = f"RAY_AUTH_TOKEN_PATH={path} is missing or empty" if path else \
-            "no RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
-        raise UserError(f"RAY_AUTH_MODE=token is set but there is no token ({where}); "
-                        + TOKEN_HINT)
+        where = (
+            f"RAY_AUTH_TOKEN_PATH={path} is missing or empty"
+            if path
+            else "no RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
+        )
+        raise UserError(f"RAY_AUTH_MODE=token is set but there is no token ({where}); " + TOKEN_HINT)
     if not has_token:
         return ()
     return tuple(loader.get_token_for_http_header().items())
 
 
-def _grpc_probe(target: str, method: str, metadata: tuple[tuple[str, str], ...],
-                timeout: float) -> tuple[str | None, str]:
+def _grpc_probe(
+    target: str, method: str, metadata: tuple[tuple[str, str], ...], timeout: float
+) -> tuple[str | None, str]:
     """One unary call with an empty request: (None, "") if the server answered it, else the
     gRPC status code name and its details (first line)."""
     import grpc
 
     with grpc.insecure_channel(target) as channel:
-        call = channel.unary_unary(method, request_serializer=lambda _: b"",
-                                   response_deserializer=lambda raw: raw)
+        call = channel.unary_unary(
+            method, request_serializer=lambda _: b"", response_deserializer=lambda raw: raw
+        )
         try:
             call(None, timeout=timeout, metadata=metadata)
         except grpc.RpcError as err:
@@ -201,13 +227,14 @@ def local_resources(extra_cpus: int = 0) -> tuple[float, float]:
     return float((os.cpu_count() or 1) + extra_cpus), float(torch.cuda.device_count())
 
 
-def check_fits(cpus: float, gpus: float, what: str, have: tuple[float, float],
-               waited: str = "") -> None:
+def check_fits(cpus: float, gpus: float, what: str, have: tuple[float, float], waited: str = "") -> None:
     if have[0] >= cpus and have[1] >= gpus:
         return
-    raise UserError(f"{what} needs {cpus:g} CPUs and {gpus:g} GPUs but the cluster has "
-                    f"{have[0]:g} CPUs and {have[1]:g} GPUs{waited}; lower --workers / "
-                    "--gpus-per-worker or add nodes")
+    raise UserError(
+        f"{what} needs {cpus:g} CPUs and {gpus:g} GPUs but the cluster has "
+        f"{have[0]:g} CPUs and {have[1]:g} GPUs{waited}; lower --workers / "
+        "--gpus-per-worker or add nodes"
+    )
 
 
 def require_resources(cpus: float, gpus: float, what: str) -> None:
@@ -279,8 +306,12 @@ def verify_shared_storage(storage: str, timeout: float | None = None) -> None:
     marker.write_text(nonce)
     try:
         reader = ray.remote(num_cpus=0, max_retries=0)(_read_marker)
-        refs = {reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    n["NodeID"], soft=False)).remote(str(marker)): n for n in nodes}
+        refs = {
+            reader.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            ).remote(str(marker)): n
+            for n in nodes
+        }
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
         blind = []
         for ref in ready:
@@ -294,12 +325,16 @@ def verify_shared_storage(storage: str, timeout: float | None = None) -> None:
         marker.unlink(missing_ok=True)
     if blind:
         names = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in blind)
-        raise UserError(f"--storage {storage} is not shared: node(s) {names} do not see it; use "
-                        "a folder every node mounts at the same path (NFS) or an s3:// / gs:// "
-                        "URI (`gptrun train`)")
+        raise UserError(
+            f"--storage {storage} is not shared: node(s) {names} do not see it; use "
+            "a folder every node mounts at the same path (NFS) or an s3:// / gs:// "
+            "URI (`gptrun train`)"
+        )
     if pending:
-        print(f"warning: {len(pending)} node(s) did not answer the shared-storage check within "
-              f"{timeout:g}s; not checked")
+        print(
+            f"warning: {len(pending)} node(s) did not answer the shared-storage check within "
+            f"{timeout:g}s; not checked"
+        )
 
 
 def _read_marker(path: str) -> str:

@@ -55,8 +55,9 @@ class SweepConfig:
             if getattr(self, key) < 0:
                 raise UserError(f"sweep.{key}={getattr(self, key)} must be >= 0")
         if self.confirm_seeds < 2:
-            raise UserError(f"sweep.confirm_seeds={self.confirm_seeds} must be >= 2 (a spread "
-                            "needs two runs)")
+            raise UserError(
+                f"sweep.confirm_seeds={self.confirm_seeds} must be >= 2 (a spread needs two runs)"
+            )
         if self.budget:
             parse_duration(self.budget)
 
@@ -84,8 +85,9 @@ def parse_duration(text: str) -> float:
                 raise ValueError
         total += float(number) if number else 0.0
     except ValueError:
-        raise UserError(f"sweep.budget={text!r} is not a duration; write e.g. '2h', '30m', "
-                        "'1h30m' or '900s'") from None
+        raise UserError(
+            f"sweep.budget={text!r} is not a duration; write e.g. '2h', '30m', '1h30m' or '900s'"
+        ) from None
     if total <= 0:
         raise UserError(f"sweep.budget={text!r} must be a positive duration")
     return total
@@ -98,8 +100,10 @@ class RayExperiment(ExperimentConfig):
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
-def load_experiment(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                    ) -> RayExperiment:
+def load_experiment(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> RayExperiment:
     """An experiment TOML with every section, `--set` overrides applied."""
     return load_config(path, overrides, cls=RayExperiment)
 

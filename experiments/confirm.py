@@ -54,16 +54,18 @@ class Candidates:
         return {**self.values[config["candidate"]], "train.seed": config["train.seed"]}
 
 
-def confirm_cli(experiment_dir: str, *, top: int, seeds: int, address: str | None,
-                restart: bool) -> int:
+def confirm_cli(experiment_dir: str, *, top: int, seeds: int, address: str | None, restart: bool) -> int:
     exp_dir = Path(experiment_dir).expanduser().resolve()
     cfg = load_experiment(exp_dir / "gptrun.toml") if (exp_dir / "gptrun.toml").exists() else None
     if cfg is None:
-        raise UserError(f"{exp_dir} is not a gptrun sweep folder (no gptrun.toml); pass the "
-                        "folder that `gptrun sweep` printed")
+        raise UserError(
+            f"{exp_dir} is not a gptrun sweep folder (no gptrun.toml); pass the "
+            "folder that `gptrun sweep` printed"
+        )
     if top < 1 or seeds < 2:
-        raise UserError(f"--top {top} --seeds {seeds}: need --top >= 1 and --seeds >= 2 (a spread "
-                        "needs two runs)")
+        raise UserError(
+            f"--top {top} --seeds {seeds}: need --top >= 1 and --seeds >= 2 (a spread needs two runs)"
+        )
     plan = confirm_plan(exp_dir, cfg, top, seeds)  # before Ray starts: bad input, no Ray
     _can_restore(exp_dir / CONFIRM_DIR, plan, restart)
     with ray_session(address, extra_local_cpus=local_extra_cpus(cfg)):
@@ -74,19 +76,27 @@ def confirm_plan(exp_dir: Path, cfg: RayExperiment, top: int, seeds: int) -> dic
     """The candidates (the `top` best trials) and the new seeds."""
     ranked = ranked_trials(load_trials(exp_dir))
     if not ranked:
-        raise UserError(f"{exp_dir} has no trial that finished without error; finish the sweep "
-                        f"first (`gptrun resume {exp_dir}`)")
+        raise UserError(
+            f"{exp_dir} has no trial that finished without error; finish the sweep "
+            f"first (`gptrun resume {exp_dir}`)"
+        )
     if len(ranked) < top:
         print(f"note: only {len(ranked)} trials finished; confirming those, not {top}")
-    return {"candidates": [t["trial_id"] for t in ranked[:top]],
-            "seeds": [cfg.train.seed + i for i in range(1, seeds + 1)]}
+    return {
+        "candidates": [t["trial_id"] for t in ranked[:top]],
+        "seeds": [cfg.train.seed + i for i in range(1, seeds + 1)],
+    }
 
 
 def ranked_trials(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Completed trials by loss, then the ones ASHA stopped early by loss (their loss is at fewer
     tokens, so it only ranks them among themselves); errors and diverged runs are left out."""
-    return [t for status in ("completed", "stopped early", "cut by budget") for t in trials
-            if t["status"] == status]
+    return [
+        t
+        for status in ("completed", "stopped early", "cut by budget")
+        for t in trials
+        if t["status"] == status
+    ]
 
 
 def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart: bool) -> int:
@@ -96,24 +106,33 @@ def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart:
     sweep_trials = load_trials(exp_dir)
     space = parse_space(cfg)
     by_id = {t["trial_id"]: t for t in sweep_trials}
-    candidates = Candidates({tid: space.overrides(by_id[tid]["config"])
-                             for tid in plan["candidates"]})
+    candidates = Candidates({tid: space.overrides(by_id[tid]["config"]) for tid in plan["candidates"]})
     conf_dir = exp_dir / CONFIRM_DIR
     meta = json.loads((exp_dir / "sweep.json").read_text())
     width = meta["max_concurrent"]
     restore = _can_restore(conf_dir, plan, restart)
     n_runs = len(plan["candidates"]) * len(plan["seeds"])
-    print(f"confirm {conf_dir}: {len(plan['candidates'])} configs x seeds {plan['seeds']} = "
-          f"{n_runs} runs at full budget{' (resuming)' if restore else ''}")
+    print(
+        f"confirm {conf_dir}: {len(plan['candidates'])} configs x seeds {plan['seeds']} = "
+        f"{n_runs} runs at full budget{' (resuming)' if restore else ''}"
+    )
     if not restore:
         start_experiment(conf_dir, cfg, {**meta, **plan})
     if restore:
         tuner = restore_tuner(cfg, candidates, conf_dir)
     else:
-        tuner = new_tuner(cfg, candidates, conf_dir, width, tune_config=tune.TuneConfig(),
-                          param_space={"candidate": tune.grid_search(plan["candidates"]),
-                                       "train.seed": tune.grid_search(plan["seeds"])},
-                          tracking_name=f"{exp_dir.name}-confirm")
+        tuner = new_tuner(
+            cfg,
+            candidates,
+            conf_dir,
+            width,
+            tune_config=tune.TuneConfig(),
+            param_space={
+                "candidate": tune.grid_search(plan["candidates"]),
+                "train.seed": tune.grid_search(plan["seeds"]),
+            },
+            tracking_name=f"{exp_dir.name}-confirm",
+        )
     tuner.fit()
     noise = measure_noise(sweep_trials, load_trials(conf_dir), plan)
     write_text_atomic(exp_dir / NOISE_FILE, json.dumps(noise, indent=1))
@@ -128,49 +147,62 @@ def _can_restore(conf_dir: Path, plan: dict[str, Any], restart: bool) -> bool:
 
     if not conf_dir.exists():
         return False
-    saved = json.loads((conf_dir / "sweep.json").read_text()) if (conf_dir / "sweep.json").exists() \
-        else {}
+    saved = json.loads((conf_dir / "sweep.json").read_text()) if (conf_dir / "sweep.json").exists() else {}
     same = {k: saved.get(k) for k in plan} == plan
     if same and not restart and tune.Tuner.can_restore(str(conf_dir)):
         return True
     if not same and not restart and saved:
-        raise UserError(f"{conf_dir} holds a confirm of {len(saved['candidates'])} configs x "
-                        f"{len(saved['seeds'])} seeds; rerun with those, or pass --restart to "
-                        "replace it")
+        raise UserError(
+            f"{conf_dir} holds a confirm of {len(saved['candidates'])} configs x "
+            f"{len(saved['seeds'])} seeds; rerun with those, or pass --restart to "
+            "replace it"
+        )
     shutil.rmtree(conf_dir)  # --restart, or killed before Tune saved anything
     return False
 
 
-def measure_noise(sweep_trials: list[dict[str, Any]], confirm_trials: list[dict[str, Any]],
-                  plan: dict[str, Any]) -> dict[str, Any]:
+def measure_noise(
+    sweep_trials: list[dict[str, Any]], confirm_trials: list[dict[str, Any]], plan: dict[str, Any]
+) -> dict[str, Any]:
     """Per-candidate mean +- std over its completed re-runs, best vs runner-up, and the noise
     fraction: pooled seed variance (each config's variance weighted by its n - 1) over the
     variance of the sweep's completed trials' final losses."""
     by_id = {t["trial_id"]: t for t in sweep_trials}
     rows = []
     for tid in plan["candidates"]:
-        runs = sorted((t for t in confirm_trials if t["config"]["candidate"] == tid
-                       and t["status"] == "completed"), key=lambda t: t["config"]["train.seed"])
+        runs = sorted(
+            (t for t in confirm_trials if t["config"]["candidate"] == tid and t["status"] == "completed"),
+            key=lambda t: t["config"]["train.seed"],
+        )
         losses = [t["val_loss"] for t in runs]
-        rows.append({
-            "trial_id": tid, "params": short_params(by_id[tid]["config"]),
-            "sweep_val_loss": by_id[tid]["val_loss"],
-            "seeds": [t["config"]["train.seed"] for t in runs], "losses": losses,
-            "mean": statistics.fmean(losses) if losses else math.nan,
-            "std": statistics.stdev(losses) if len(losses) >= 2 else math.nan,
-        })
+        rows.append(
+            {
+                "trial_id": tid,
+                "params": short_params(by_id[tid]["config"]),
+                "sweep_val_loss": by_id[tid]["val_loss"],
+                "seeds": [t["config"]["train.seed"] for t in runs],
+                "losses": losses,
+                "mean": statistics.fmean(losses) if losses else math.nan,
+                "std": statistics.stdev(losses) if len(losses) >= 2 else math.nan,
+            }
+        )
     rows.sort(key=lambda r: (math.isnan(r["mean"]), r["mean"]))
     measured = [r for r in rows if len(r["losses"]) >= 2]
     dof = sum(len(r["losses"]) - 1 for r in measured)
-    seed_var = sum((len(r["losses"]) - 1) * r["std"] ** 2 for r in measured) / dof if dof \
-        else math.nan
-    finals = [t["val_loss"] for t in sweep_trials
-              if t["status"] == "completed" and math.isfinite(t["val_loss"])]
+    seed_var = sum((len(r["losses"]) - 1) * r["std"] ** 2 for r in measured) / dof if dof else math.nan
+    finals = [
+        t["val_loss"] for t in sweep_trials if t["status"] == "completed" and math.isfinite(t["val_loss"])
+    ]
     sweep_var = statistics.variance(finals) if len(finals) >= 2 else math.nan
-    return {"alpha": ALPHA, "candidates": rows, "seed_std": math.sqrt(seed_var),
-            "sweep_std": math.sqrt(sweep_var), "sweep_completed": len(finals),
-            "noise_fraction": seed_var / sweep_var if sweep_var > 0 else math.nan,
-            "comparison": compare(measured)}
+    return {
+        "alpha": ALPHA,
+        "candidates": rows,
+        "seed_std": math.sqrt(seed_var),
+        "sweep_std": math.sqrt(sweep_var),
+        "sweep_completed": len(finals),
+        "noise_fraction": seed_var / sweep_var if sweep_var > 0 else math.nan,
+        "comparison": compare(measured),
+    }
 
 
 def compare(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -184,9 +216,13 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         p = 0.0 if best["mean"] != runner_up["mean"] else 1.0
     else:
         p = float(ttest_ind(best["losses"], runner_up["losses"], equal_var=False).pvalue)
-    return {"best": best["trial_id"], "runner_up": runner_up["trial_id"],
-            "difference": runner_up["mean"] - best["mean"], "p_value": p,
-            "separated": p < ALPHA}
+    return {
+        "best": best["trial_id"],
+        "runner_up": runner_up["trial_id"],
+        "difference": runner_up["mean"] - best["mean"],
+        "p_value": p,
+        "separated": p < ALPHA,
+    }
 
 
 def verdict(noise: dict[str, Any]) -> str:
@@ -194,8 +230,10 @@ def verdict(noise: dict[str, Any]) -> str:
     cmp = noise["comparison"]
     if cmp is None:
         return "fewer than two configs were re-run, so the winner was not compared"
-    head = (f"best {cmp['best']} vs runner-up {cmp['runner_up']}: {cmp['difference']:.4f} nats "
-            f"apart, Welch p = {cmp['p_value']:.3g}")
+    head = (
+        f"best {cmp['best']} vs runner-up {cmp['runner_up']}: {cmp['difference']:.4f} nats "
+        f"apart, Welch p = {cmp['p_value']:.3g}"
+    )
     if cmp["separated"]:
         return f"{head} < {noise['alpha']}: the best is separated from the runner-up"
     return f"{head} >= {noise['alpha']}: the difference is within seed noise"
@@ -207,19 +245,35 @@ def noise_line(noise: dict[str, Any]) -> str:
         return "seed noise: not measured (no config has two completed re-runs)"
     head = f"seed noise: std {noise['seed_std']:.4f} nats (pooled over the re-runs)"
     if math.isnan(noise["noise_fraction"]):
-        return (f"{head}; not compared with the sweep: its {noise['sweep_completed']} completed "
-                "trial(s) show no spread")
-    return (f"{head}, {noise['noise_fraction']:.0%} of the variance between the sweep's "
-            f"{noise['sweep_completed']} completed trials (std {noise['sweep_std']:.4f}): "
-            "near 100% their differences are mostly noise")
+        return (
+            f"{head}; not compared with the sweep: its {noise['sweep_completed']} completed "
+            "trial(s) show no spread"
+        )
+    return (
+        f"{head}, {noise['noise_fraction']:.0%} of the variance between the sweep's "
+        f"{noise['sweep_completed']} completed trials (std {noise['sweep_std']:.4f}): "
+        "near 100% their differences are mostly noise"
+    )
 
 
 def print_noise(noise: dict[str, Any]) -> None:
     """The re-runs as a table (best mean first), the verdict and the noise line."""
     keys = sorted({k for r in noise["candidates"] for k in r["params"]})
     header = ["#", "trial", *keys, "sweep loss", "mean", "std", "runs"]
-    print_columns(header, [[str(i), r["trial_id"], *(fmt_value(r["params"].get(k, "")) for k in keys),
-                            f"{r['sweep_val_loss']:.4f}", f"{r['mean']:.4f}", f"{r['std']:.4f}",
-                            str(len(r["losses"]))] for i, r in enumerate(noise["candidates"], 1)])
+    print_columns(
+        header,
+        [
+            [
+                str(i),
+                r["trial_id"],
+                *(fmt_value(r["params"].get(k, "")) for k in keys),
+                f"{r['sweep_val_loss']:.4f}",
+                f"{r['mean']:.4f}",
+                f"{r['std']:.4f}",
+                str(len(r["losses"])),
+            ]
+            for i, r in enumerate(noise["candidates"], 1)
+        ],
+    )
     print(verdict(noise))
     print(noise_line(noise))

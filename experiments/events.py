@@ -36,10 +36,15 @@ class RecordingASHA(ASHAScheduler):
         decision = super().on_trial_result(tune_controller, trial, result)
         tokens = result.get("tokens", 0)
         if decision == TrialScheduler.STOP and tokens < self.full_tokens:  # not just finished
-            append_event(self.exp_dir, {"event": "asha_stop", "trial_id": trial.trial_id,
-                                        "tokens": tokens, "unix": time.time()})
-            print(f"trial {trial.trial_id} stopped early by ASHA at {tokens:,.0f} tokens "
-                  f"(val loss {result.get('val_loss', float('nan')):.4f})", flush=True)
+            append_event(
+                self.exp_dir,
+                {"event": "asha_stop", "trial_id": trial.trial_id, "tokens": tokens, "unix": time.time()},
+            )
+            print(
+                f"trial {trial.trial_id} stopped early by ASHA at {tokens:,.0f} tokens "
+                f"(val loss {result.get('val_loss', float('nan')):.4f})",
+                flush=True,
+            )
         return decision
 
 
@@ -50,21 +55,17 @@ class TrialEvents(Callback):
         self.exp_dir, self.full_tokens = exp_dir, full_tokens
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        append_event(self.exp_dir, {"event": "start", "trial_id": trial.trial_id,
-                                    "unix": time.time()})
+        append_event(self.exp_dir, {"event": "start", "trial_id": trial.trial_id, "unix": time.time()})
         print(f"trial {trial.trial_id} started: {_params(trial.config)}", flush=True)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         last = trial.last_result or {}
-        append_event(self.exp_dir, {"event": "end", "trial_id": trial.trial_id,
-                                    "unix": time.time()})
+        append_event(self.exp_dir, {"event": "end", "trial_id": trial.trial_id, "unix": time.time()})
         print(f"trial {trial.trial_id} {self.describe(trial.trial_id, last)}", flush=True)
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        append_event(self.exp_dir, {"event": "error", "trial_id": trial.trial_id,
-                                    "unix": time.time()})
-        print(f"trial {trial.trial_id} failed: {trial.error_file or 'see its error.txt'}",
-              flush=True)
+        append_event(self.exp_dir, {"event": "error", "trial_id": trial.trial_id, "unix": time.time()})
+        print(f"trial {trial.trial_id} failed: {trial.error_file or 'see its error.txt'}", flush=True)
 
     def describe(self, trial_id: str, last: dict[str, Any]) -> str:
         tokens, loss = last.get("tokens", 0), last.get("val_loss", float("nan"))
@@ -72,7 +73,6 @@ class TrialEvents(Callback):
             return f"{'failed' if last.get('error') else 'diverged'}: {last.get('reason', '')}"
         if tokens >= self.full_tokens:
             return f"completed: {tokens:,.0f} tokens, val loss {loss:.4f}"
-        if any(e["event"] == "asha_stop" and e["trial_id"] == trial_id
-               for e in read_events(self.exp_dir)):
+        if any(e["event"] == "asha_stop" and e["trial_id"] == trial_id for e in read_events(self.exp_dir)):
             return f"ended after ASHA's stop at {tokens:,.0f} tokens, val loss {loss:.4f}"
         return f"cut by the sweep budget at {tokens:,.0f} tokens, val loss {loss:.4f}"

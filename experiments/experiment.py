@@ -27,8 +27,7 @@ def start_experiment(exp_dir: Path, cfg: RayExperiment, meta: dict[str, Any]) ->
     completed trials from stopped ones)."""
     exp_dir.mkdir(parents=True)
     write_text_atomic(exp_dir / CONFIG_FILE, cfg.to_toml())
-    write_text_atomic(exp_dir / META_FILE, json.dumps(
-        {"trial_tokens": trial_tokens(cfg), **meta}, indent=1))
+    write_text_atomic(exp_dir / META_FILE, json.dumps({"trial_tokens": trial_tokens(cfg), **meta}, indent=1))
 
 
 def is_experiment(exp_dir: Path) -> bool:
@@ -38,8 +37,10 @@ def is_experiment(exp_dir: Path) -> bool:
 def load_base(exp_dir: Path) -> tuple[RayExperiment, dict[str, Any]]:
     """The experiment's base config and its `sweep.json`."""
     if not is_experiment(exp_dir):
-        raise UserError(f"{exp_dir} is not a gptrun sweep folder (no {CONFIG_FILE} / {META_FILE});"
-                        " pass the folder that `gptrun sweep` printed")
+        raise UserError(
+            f"{exp_dir} is not a gptrun sweep folder (no {CONFIG_FILE} / {META_FILE});"
+            " pass the folder that `gptrun sweep` printed"
+        )
     return load_experiment(exp_dir / CONFIG_FILE), json.loads((exp_dir / META_FILE).read_text())
 
 

@@ -47,8 +47,9 @@ def probe_tokens_per_sec(cfg: RayExperiment) -> float:
     return PROBE_STEPS * trainer.tokens_per_step / elapsed
 
 
-def plan_cli(config: str, overrides: list[str], *, tokens_per_sec: float | None,
-             cpus: float | None, gpus: float | None) -> int:
+def plan_cli(
+    config: str, overrides: list[str], *, tokens_per_sec: float | None, cpus: float | None, gpus: float | None
+) -> int:
     cfg = load_experiment(config, overrides)
     space = parse_space(cfg)
     if cfg.sweep.baseline:
@@ -63,8 +64,10 @@ def plan_cli(config: str, overrides: list[str], *, tokens_per_sec: float | None,
     width = concurrency(cfg, cpus, gpus)
     if width == 0:
         need_cpus, need_gpus = trial_footprint(cfg)
-        raise UserError(f"one trial needs {need_cpus:g} CPUs and {need_gpus:g} GPUs but the "
-                        f"cluster has {cpus:g} CPUs and {gpus:g} GPUs")
+        raise UserError(
+            f"one trial needs {need_cpus:g} CPUs and {need_gpus:g} GPUs but the "
+            f"cluster has {cpus:g} CPUs and {gpus:g} GPUs"
+        )
     if tokens_per_sec is not None and not tokens_per_sec > 0:
         raise UserError(f"--tokens-per-sec={tokens_per_sec:g} must be > 0 (a trial's throughput)")
     if tokens_per_sec is None:
@@ -82,24 +85,31 @@ def plan_cli(config: str, overrides: list[str], *, tokens_per_sec: float | None,
     full_wall = n * max_t / (tokens_per_sec * width) + waves * startup
     per_trial_gpus, per_trial_cpus = res.workers * res.gpus_per_worker, res.workers * res.cpus_per_worker
     print(f"plan for {config}")
-    print(f"  search       {', '.join(p.key for p in space.params)}"
-          f"{' (+ baseline trial)' if cfg.sweep.baseline else ''}")
-    print(f"  trials       {n}, {width} at a time ({per_trial_cpus:g} CPU / {per_trial_gpus:g} GPU"
-          f" each; cluster {cpus:g} CPU / {gpus:g} GPU)")
+    print(
+        f"  search       {', '.join(p.key for p in space.params)}"
+        f"{' (+ baseline trial)' if cfg.sweep.baseline else ''}"
+    )
+    print(
+        f"  trials       {n}, {width} at a time ({per_trial_cpus:g} CPU / {per_trial_gpus:g} GPU"
+        f" each; cluster {cpus:g} CPU / {gpus:g} GPU)"
+    )
     print(f"  per trial    {max_t:,} tokens, {tokens_per_sec:,.0f} tokens/s ({source})")
     print(f"  ASHA rungs   {', '.join(f'{r:,}' for r in rungs)} tokens (reduction factor {rf})")
     print(f"  tokens       ~{tokens:,.0f} with ASHA, {n * max_t:,} without")
-    print(f"  wall-clock   ~{_hours(wall)} with ASHA (~{_hours(full_wall)} without), including "
-          f"{startup:.0f}s start-up per trial")
+    print(
+        f"  wall-clock   ~{_hours(wall)} with ASHA (~{_hours(full_wall)} without), including "
+        f"{startup:.0f}s start-up per trial"
+    )
     used = wall * width / 3600
-    print(f"  cost         ~{used * per_trial_gpus:.2f} GPU-hours, "
-          f"~{used * per_trial_cpus:.2f} CPU-hours")
+    print(f"  cost         ~{used * per_trial_gpus:.2f} GPU-hours, ~{used * per_trial_cpus:.2f} CPU-hours")
     if cfg.sweep.budget:
         budget = parse_duration(cfg.sweep.budget)
         if wall > budget:
-            print(f"warning: the plan needs ~{_hours(wall)} but sweep.budget is "
-                  f"{cfg.sweep.budget}; trials will be cut off. Lower sweep.num_samples or "
-                  "train.max_tokens, or raise the budget")
+            print(
+                f"warning: the plan needs ~{_hours(wall)} but sweep.budget is "
+                f"{cfg.sweep.budget}; trials will be cut off. Lower sweep.num_samples or "
+                "train.max_tokens, or raise the budget"
+            )
         else:
             print(f"  budget       {cfg.sweep.budget}: fits ({100 * wall / budget:.0f}% of it)")
     return 0

@@ -23,13 +23,14 @@ def load_analysis(exp_dir: Path) -> Any:
     from ray.tune import ExperimentAnalysis
 
     if not is_experiment(exp_dir) or not list(exp_dir.glob("experiment_state-*.json")):
-        raise UserError(f"{exp_dir} is not a gptrun sweep folder (no gptrun.toml / Tune state); "
-                        "pass the folder that `gptrun sweep` printed")
+        raise UserError(
+            f"{exp_dir} is not a gptrun sweep folder (no gptrun.toml / Tune state); "
+            "pass the folder that `gptrun sweep` printed"
+        )
     return ExperimentAnalysis(str(exp_dir.resolve()))  # Ray reads a relative path as a URI
 
 
-def trial_status(tune_status: str, last: dict[str, Any], max_tokens: float,
-                 asha_stopped: bool) -> str:
+def trial_status(tune_status: str, last: dict[str, Any], max_tokens: float, asha_stopped: bool) -> str:
     """completed (full budget), stopped early (by ASHA), cut by budget (the sweep's time budget
     ended it), diverged, error, or unfinished (running, or interrupted and not yet resumed)."""
     if last.get("error") or tune_status == "ERROR":
@@ -57,24 +58,30 @@ def load_trials(exp_dir: Path) -> list[dict[str, Any]]:
         last = trial.last_result or {}
         status = trial_status(trial.status, last, max_tokens, trial.trial_id in asha)
         val = last.get("val_loss", math.nan)
-        checkpoint = last.get("checkpoint_path") or (trial.checkpoint.path if trial.checkpoint
-                                                      else "")
-        trials.append({
-            "trial_id": trial.trial_id, "config": dict(trial.config), "status": status,
-            "val_loss": val if status not in ("diverged", "error") else math.nan,
-            "best_val_loss": last.get("best_val_loss", math.nan),
-            "val_bpb": last.get("val_bpb", math.nan), "tokens": last.get("tokens", 0.0),
-            "step": last.get("step", 0.0), "wall_s": last.get("time_total_s", 0.0),
-            "checkpoint": checkpoint, "reason": last.get("reason", ""),
-            "node_id": last.get("node_id", ""), "path": trial.path,
-            **_fixed_cost(trial.trial_id, events, last),
-        })
+        checkpoint = last.get("checkpoint_path") or (trial.checkpoint.path if trial.checkpoint else "")
+        trials.append(
+            {
+                "trial_id": trial.trial_id,
+                "config": dict(trial.config),
+                "status": status,
+                "val_loss": val if status not in ("diverged", "error") else math.nan,
+                "best_val_loss": last.get("best_val_loss", math.nan),
+                "val_bpb": last.get("val_bpb", math.nan),
+                "tokens": last.get("tokens", 0.0),
+                "step": last.get("step", 0.0),
+                "wall_s": last.get("time_total_s", 0.0),
+                "checkpoint": checkpoint,
+                "reason": last.get("reason", ""),
+                "node_id": last.get("node_id", ""),
+                "path": trial.path,
+                **_fixed_cost(trial.trial_id, events, last),
+            }
+        )
     trials.sort(key=lambda t: (math.isnan(t["val_loss"]), t["val_loss"]))
     return trials
 
 
-def _fixed_cost(trial_id: str, events: list[dict[str, Any]], last: dict[str, Any]
-                ) -> dict[str, float]:
+def _fixed_cost(trial_id: str, events: list[dict[str, Any]], last: dict[str, Any]) -> dict[str, float]:
     """Start-up: the trial's last start event to its `fit_start_unix` (the loop's first step);
     wind-down: its last report to its end event. NaN where an event is missing."""
     mine = [e for e in events if e["trial_id"] == trial_id]
@@ -86,8 +93,7 @@ def _fixed_cost(trial_id: str, events: list[dict[str, Any]], last: dict[str, Any
     return {"startup_s": startup, "winddown_s": winddown}
 
 
-def best_config(cfg: RayExperiment, space: Space, trial: dict[str, Any], name: str
-                ) -> RayExperiment:
+def best_config(cfg: RayExperiment, space: Space, trial: dict[str, Any], name: str) -> RayExperiment:
     """The base config with a trial's values: a complete config that trains it at full length
     (into `runs/NAME-best`). What `best.toml` holds, for the sweep and the report alike."""
     best = apply_overrides(cfg, space.overrides(trial["config"]))
@@ -102,9 +108,17 @@ def load_curves(exp_dir: Path) -> list[dict[str, Any]]:
         for rec in frame.to_dict("records"):
             if "step" not in rec or rec.get("error") or rec.get("diverged"):
                 continue
-            rows.append({"trial_id": trial_id, "tokens": rec.get("tokens"), "step": rec["step"],
-                         "loss": rec.get("loss"), "val_loss": rec.get("val_loss"),
-                         "lr": rec.get("lr"), "tokens_per_sec": rec.get("tokens_per_sec")})
+            rows.append(
+                {
+                    "trial_id": trial_id,
+                    "tokens": rec.get("tokens"),
+                    "step": rec["step"],
+                    "loss": rec.get("loss"),
+                    "val_loss": rec.get("val_loss"),
+                    "lr": rec.get("lr"),
+                    "tokens_per_sec": rec.get("tokens_per_sec"),
+                }
+            )
     return rows
 
 
@@ -131,10 +145,19 @@ def print_table(trials: list[dict[str, Any]]) -> None:
     rows = []
     for rank, t in enumerate(trials, 1):
         params = short_params(t["config"])
-        rows.append([str(rank), *(fmt_value(params.get(k, "")) for k in keys),
-                     f"{t['tokens']:,.0f}", fmt_value(t["val_loss"]), fmt_value(t["best_val_loss"]),
-                     fmt_value(t["val_bpb"]), t["status"], f"{t['wall_s']:.0f}s",
-                     t["node_id"][:8] or "-"])
+        rows.append(
+            [
+                str(rank),
+                *(fmt_value(params.get(k, "")) for k in keys),
+                f"{t['tokens']:,.0f}",
+                fmt_value(t["val_loss"]),
+                fmt_value(t["best_val_loss"]),
+                fmt_value(t["val_bpb"]),
+                t["status"],
+                f"{t['wall_s']:.0f}s",
+                t["node_id"][:8] or "-",
+            ]
+        )
     print_columns(header, rows)
     for t in trials:
         if t["reason"]:
@@ -148,8 +171,7 @@ def print_trial_costs(trials: list[dict[str, Any]]) -> None:
         return
     print("fixed cost per trial (trial start -> training loop | last report -> trial end):")
     for t in sorted(measured, key=lambda t: t["trial_id"]):
-        print(f"  {t['trial_id']}: start-up {t['startup_s']:.2f}s | wind-down "
-              f"{t['winddown_s']:.2f}s")
+        print(f"  {t['trial_id']}: start-up {t['startup_s']:.2f}s | wind-down {t['winddown_s']:.2f}s")
 
 
 def fmt_value(value: Any) -> str:

@@ -21,8 +21,10 @@ from typing import Any
 from experiments.config import RayExperiment, experiment_from_dict
 from gptcore.errors import UserError
 
-ALIASES = {name: f"optim.{name}" for name in
-           ("lr", "weight_decay", "warmup", "beta1", "beta2", "eps", "min_lr_ratio", "grad_clip")}
+ALIASES = {
+    name: f"optim.{name}"
+    for name in ("lr", "weight_decay", "warmup", "beta1", "beta2", "eps", "min_lr_ratio", "grad_clip")
+}
 ALIASES.update(batch_size="train.batch_size", grad_accum="train.grad_accum")
 KINDS = ("loguniform", "uniform", "int", "choice")
 ZERO_SUFFIX = "_is_zero"  # `optim.weight_decay_is_zero`: the include_zero choice (a valid MLflow key)
@@ -75,9 +77,11 @@ class Space:
                     continue
             inside = value in p.choices if p.kind == "choice" else p.low <= value <= p.high
             if not inside:
-                raise UserError(f"{p.key}={value} (the baseline trial) lies outside its "
-                                f"sweep.space range; widen the range, change {p.key}, or set "
-                                "sweep.baseline = false")
+                raise UserError(
+                    f"{p.key}={value} (the baseline trial) lies outside its "
+                    f"sweep.space range; widen the range, change {p.key}, or set "
+                    "sweep.baseline = false"
+                )
             point[p.key] = value
         return point
 
@@ -115,24 +119,32 @@ def _parse_param(key: str, spec: dict[str, Any], current: Any) -> Param:
     kinds = [k for k in spec if k in KINDS]
     extra = [k for k in spec if k not in (*KINDS, "include_zero")]
     if len(kinds) != 1 or extra:
-        raise UserError(f"sweep.space.{key}: give exactly one of {', '.join(KINDS)} "
-                        f"(and optionally include_zero), got {sorted(spec)}")
+        raise UserError(
+            f"sweep.space.{key}: give exactly one of {', '.join(KINDS)} "
+            f"(and optionally include_zero), got {sorted(spec)}"
+        )
     kind, value = kinds[0], spec[kinds[0]]
     include_zero = bool(spec.get("include_zero", False))
     if kind == "choice":
         if not isinstance(value, list) or not value:
             raise UserError(f"sweep.space.{key}: choice needs a non-empty list of values")
         return Param(key, kind, choices=tuple(value))
-    if not (isinstance(value, list) and len(value) == 2
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
         raise UserError(f"sweep.space.{key}: {kind} needs [low, high], got {value!r}")
     low, high = float(value[0]), float(value[1])
     if not low < high:
-        raise UserError(f"sweep.space.{key}: the range [{value[0]}, {value[1]}] is empty; "
-                        "low must be below high")
+        raise UserError(
+            f"sweep.space.{key}: the range [{value[0]}, {value[1]}] is empty; low must be below high"
+        )
     if kind == "loguniform" and low <= 0:
-        raise UserError(f"sweep.space.{key}: loguniform needs low > 0, got {value[0]}; use "
-                        "include_zero = true to also try 0")
+        raise UserError(
+            f"sweep.space.{key}: loguniform needs low > 0, got {value[0]}; use "
+            "include_zero = true to also try 0"
+        )
     if key == "optim.lr" and low <= 0:
         raise UserError(f"sweep.space.{key}: a learning rate must be > 0, got low={value[0]}")
     if isinstance(current, int) and not isinstance(current, bool) and kind != "int":
@@ -154,10 +166,15 @@ def apply_overrides(cfg: RayExperiment, values: dict[str, Any]) -> RayExperiment
 def _get(cfg: RayExperiment, key: str) -> Any:
     section, _, leaf = key.partition(".")
     obj = getattr(cfg, section, None) if leaf else None
-    if obj is None or section == "sweep" or not dataclasses.is_dataclass(obj) \
-            or leaf not in {f.name for f in dataclasses.fields(obj)}:
+    if (
+        obj is None
+        or section == "sweep"
+        or not dataclasses.is_dataclass(obj)
+        or leaf not in {f.name for f in dataclasses.fields(obj)}
+    ):
         known = ", ".join(ALIASES)
-        raise UserError(f"sweep.space: {key!r} is not a config key that can be searched; use a "
-                        f"section.key such as optim.lr, or one of: {known}")
+        raise UserError(
+            f"sweep.space: {key!r} is not a config key that can be searched; use a "
+            f"section.key such as optim.lr, or one of: {known}"
+        )
     return getattr(obj, leaf)
-

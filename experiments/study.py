@@ -56,15 +56,18 @@ class StudySearch(OptunaSearch):
             return
         self._reported[trial_id] = tokens
 
-    def on_trial_complete(self, trial_id: str, result: dict | None = None,
-                          error: bool = False) -> None:
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if trial_id in self._completed_trials or trial_id not in self._ot_trials:
             return super().on_trial_complete(trial_id, result, error)
         import optuna
 
         failed = error or not result or self.metric not in result
-        if failed or result.get("error") or result.get("diverged") or \
-                result.get("tokens", 0) >= self._full_tokens:
+        if (
+            failed
+            or result.get("error")
+            or result.get("diverged")
+            or result.get("tokens", 0) >= self._full_tokens
+        ):
             state = optuna.trial.TrialState.FAIL if failed else optuna.trial.TrialState.COMPLETE
             value = None if failed else result[self.metric]
         else:
@@ -80,11 +83,15 @@ def rdb_storage(url: str) -> Any:
     try:
         return optuna.storages.RDBStorage(url)
     except ModuleNotFoundError as err:
-        raise UserError(f"sweep.storage_url {url}: needs the database driver {err.name!r} "
-                        "(pip install it, e.g. psycopg2-binary for postgresql://)") from None
+        raise UserError(
+            f"sweep.storage_url {url}: needs the database driver {err.name!r} "
+            "(pip install it, e.g. psycopg2-binary for postgresql://)"
+        ) from None
     except Exception as err:  # SQLAlchemy raises many types for bad URLs and refused connections
-        raise UserError(f"sweep.storage_url {url}: cannot open the Optuna storage "
-                        f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+        raise UserError(
+            f"sweep.storage_url {url}: cannot open the Optuna storage "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        ) from None
 
 
 def check_new_study(url: str, name: str, replace: bool) -> None:
@@ -97,8 +104,10 @@ def check_new_study(url: str, name: str, replace: bool) -> None:
     if name not in names:
         return
     if not replace:
-        raise UserError(f"the Optuna storage {url} already holds a study named {name!r}; pick "
-                        "another --name, or pass --restart to replace that experiment")
+        raise UserError(
+            f"the Optuna storage {url} already holds a study named {name!r}; pick "
+            "another --name, or pass --restart to replace that experiment"
+        )
     optuna.delete_study(study_name=name, storage=storage)
 
 

@@ -54,8 +54,15 @@ class SweepPlan:
         return local_extra_cpus(self.cfg)
 
 
-def plan_sweep(config: str, overrides: list[str], *, name: str | None, storage: str | None,
-               restart: bool, address: str | None) -> SweepPlan:
+def plan_sweep(
+    config: str,
+    overrides: list[str],
+    *,
+    name: str | None,
+    storage: str | None,
+    restart: bool,
+    address: str | None,
+) -> SweepPlan:
     """Every check that needs no cluster: config, space, baseline, trackers, folder, study."""
     from experiments.study import check_new_study
 
@@ -66,12 +73,16 @@ def plan_sweep(config: str, overrides: list[str], *, name: str | None, storage: 
     tracking_callbacks(cfg, "check")  # a missing tracking extra, before Ray starts
     storage = check_storage(storage, "sweeps")
     if "://" in storage:
-        raise UserError("gptrun sweep keeps its experiment folder on a path (NFS on a cluster); "
-                        "object-store URIs are supported by `gptrun train --storage`")
+        raise UserError(
+            "gptrun sweep keeps its experiment folder on a path (NFS on a cluster); "
+            "object-store URIs are supported by `gptrun train --storage`"
+        )
     exp_dir = Path(storage) / (name or cfg.name)
     if exp_dir.exists() and not restart:
-        raise UserError(f"experiment {exp_dir} exists; continue it with `gptrun resume "
-                        f"{exp_dir}` or start over with --restart")
+        raise UserError(
+            f"experiment {exp_dir} exists; continue it with `gptrun resume "
+            f"{exp_dir}` or start over with --restart"
+        )
     if cfg.sweep.storage_url:
         check_new_study(cfg.sweep.storage_url, exp_dir.name, replace=restart)
     if address is None:  # a local instance: no need to start Ray to know it is too small
@@ -89,10 +100,13 @@ def run_sweep(plan: SweepPlan) -> int:
     if plan.restart and exp_dir.exists():
         shutil.rmtree(exp_dir)
     start_experiment(exp_dir, cfg, {"max_concurrent": width})
-    print(f"sweep {exp_dir}: {cfg.sweep.num_samples} trials, {width} at a time, "
-          f"{trial_tokens(cfg):,} tokens each, ASHA grace {grace_tokens(cfg):,} tokens"
-          f"{', budget ' + cfg.sweep.budget if cfg.sweep.budget else ''}; study "
-          f"{study_url(cfg, exp_dir)}", flush=True)
+    print(
+        f"sweep {exp_dir}: {cfg.sweep.num_samples} trials, {width} at a time, "
+        f"{trial_tokens(cfg):,} tokens each, ASHA grace {grace_tokens(cfg):,} tokens"
+        f"{', budget ' + cfg.sweep.budget if cfg.sweep.budget else ''}; study "
+        f"{study_url(cfg, exp_dir)}",
+        flush=True,
+    )
     new_tuner(cfg, plan.space, exp_dir, width).fit()
     return finish(cfg, plan.space, exp_dir)
 
@@ -103,8 +117,10 @@ def plan_resume(experiment_dir: str) -> SweepPlan:
     exp_dir = Path(experiment_dir).expanduser().resolve()
     cfg, _ = load_base(exp_dir)
     if not tune.Tuner.can_restore(str(exp_dir)):
-        raise UserError(f"{exp_dir} has no Tune state to resume (killed before its first "
-                        "trial started?); start it again with `gptrun sweep CONFIG --restart`")
+        raise UserError(
+            f"{exp_dir} has no Tune state to resume (killed before its first "
+            "trial started?); start it again with `gptrun sweep CONFIG --restart`"
+        )
     return SweepPlan(checked_for_workers(cfg), parse_space(cfg), exp_dir)
 
 
@@ -129,8 +145,10 @@ def finish(cfg: RayExperiment, space: Space, exp_dir: Path) -> int:
         return 1
     best = min(ok, key=lambda t: t["val_loss"])
     write_text_atomic(exp_dir / BEST_FILE, best_config(cfg, space, best, exp_dir.name).to_toml())
-    print(f"best trial {best['trial_id']}: val loss {best['val_loss']:.4f} | config "
-          f"{exp_dir / BEST_FILE} | checkpoint {best['checkpoint']}")
+    print(
+        f"best trial {best['trial_id']}: val loss {best['val_loss']:.4f} | config "
+        f"{exp_dir / BEST_FILE} | checkpoint {best['checkpoint']}"
+    )
     print(f"train it at full length: gptrun train {exp_dir / BEST_FILE}")
     return 0
 

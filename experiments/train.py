@@ -55,18 +55,23 @@ def worker_loop(loop_config: dict[str, Any]) -> dict[str, str]:
     def wrap(model: torch.nn.Module) -> torch.nn.Module:
         if world_size == 1:
             return model
-        return DistributedDataParallel(model, device_ids=[device.index] if device.index is not
-                                       None else None)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
 
     trainer = Trainer(cfg, rank=rank, world_size=world_size, device=device, wrap=wrap)
     try:
         resume(trainer, ray.train.get_checkpoint())
     except UserError as err:  # another length or shape: a retry would fail the same way
         return {"status": "refused", "reason": str(err)}
-    tensorboard = TensorBoardLog(loop_config["tensorboard_dir"]) \
-        if rank == 0 and loop_config["tensorboard_dir"] else None
-    extra = {"node_id": ray.get_runtime_context().get_node_id(), "world_size": float(world_size),
-             "fit_start_unix": time.time()}
+    tensorboard = (
+        TensorBoardLog(loop_config["tensorboard_dir"])
+        if rank == 0 and loop_config["tensorboard_dir"]
+        else None
+    )
+    extra = {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "world_size": float(world_size),
+        "fit_start_unix": time.time(),
+    }
     report = checkpoint_reporter(ray.train.report, ray.train.Checkpoint, extra)
 
     def on_report(metrics: dict[str, float], state: dict[str, Any] | None) -> None:
@@ -77,8 +82,14 @@ def worker_loop(loop_config: dict[str, Any]) -> dict[str, str]:
     try:
         trainer.fit(on_report)
     except DivergedError as err:  # every rank raises at the same step (the loss is all-reduced)
-        ray.train.report({"step": float(trainer.step), "tokens": float(trainer.tokens_seen),
-                          "val_loss": diverged_loss(cfg), "diverged": 1.0})
+        ray.train.report(
+            {
+                "step": float(trainer.step),
+                "tokens": float(trainer.tokens_seen),
+                "val_loss": diverged_loss(cfg),
+                "diverged": 1.0,
+            }
+        )
         return {"status": "diverged", "reason": str(err)}
     finally:
         if tensorboard is not None:
@@ -86,8 +97,9 @@ def worker_loop(loop_config: dict[str, Any]) -> dict[str, str]:
     return {"status": "completed"}
 
 
-def checkpoint_reporter(report: Callable[..., None], checkpoint_cls: Any,
-                        extra: dict[str, float | str]) -> Callable[[dict[str, float], Any], None]:
+def checkpoint_reporter(
+    report: Callable[..., None], checkpoint_cls: Any, extra: dict[str, float | str]
+) -> Callable[[dict[str, float], Any], None]:
     """gptcore's `on_report` for Ray: metrics plus `extra` (node id, when training started), and
     the checkpoint when the loop hands one. `report` is `ray.train.report` in a Train worker and
     `ray.tune.report` in a 1-worker sweep trial; both upload the folder to the run's storage."""
@@ -119,8 +131,9 @@ def diverged_loss(cfg: RayExperiment) -> float:
     return 2 * math.log(cfg.model.vocab_size)
 
 
-def build_trainer(cfg: RayExperiment, *, storage: str, name: str, max_failures: int,
-                  callbacks: list | None = None) -> Any:
+def build_trainer(
+    cfg: RayExperiment, *, storage: str, name: str, max_failures: int, callbacks: list | None = None
+) -> Any:
     """A `TorchTrainer` for one run; `experiments.sweep` builds one of these per trial."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -129,21 +142,30 @@ def build_trainer(cfg: RayExperiment, *, storage: str, name: str, max_failures: 
     use_gpu = res.gpus_per_worker > 0
     resources = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus_per_worker} if use_gpu else {})}
     run_dir = f"{storage.rstrip('/')}/{name}"
-    loop_config = {"config": cfg.to_dict(), "use_gpu": use_gpu,
-                   "cpus_per_worker": res.cpus_per_worker,
-                   "tensorboard_dir": f"{run_dir}/tensorboard" if is_local(storage) else ""}
+    loop_config = {
+        "config": cfg.to_dict(),
+        "use_gpu": use_gpu,
+        "cpus_per_worker": res.cpus_per_worker,
+        "tensorboard_dir": f"{run_dir}/tensorboard" if is_local(storage) else "",
+    }
     return TorchTrainer(
         worker_loop,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(num_workers=res.workers, use_gpu=use_gpu,
-                                               resources_per_worker=resources),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=res.workers, use_gpu=use_gpu, resources_per_worker=resources
+        ),
         run_config=ray.train.RunConfig(
-            name=name, storage_path=storage, callbacks=callbacks,
+            name=name,
+            storage_path=storage,
+            callbacks=callbacks,
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.train.keep_checkpoints or None,
-                checkpoint_score_attribute="val_loss", checkpoint_score_order="min")),
+                checkpoint_score_attribute="val_loss",
+                checkpoint_score_order="min",
+            ),
+        ),
     )
 
 
@@ -181,8 +203,9 @@ def root_message(err: BaseException) -> str:
     return (lines[-1] if lines else type(cause).__name__)[:300]
 
 
-def train_on_ray(cfg: RayExperiment, *, address: str | None, storage: str | None,
-                 name: str | None, max_failures: int) -> int:
+def train_on_ray(
+    cfg: RayExperiment, *, address: str | None, storage: str | None, name: str | None, max_failures: int
+) -> int:
     import ray
 
     cfg = checked_for_workers(cfg)
@@ -198,9 +221,11 @@ def train_on_ray(cfg: RayExperiment, *, address: str | None, storage: str | None
         require_resources(*need, f"--workers {res.workers}")
         create_storage(storage)
         verify_shared_storage(storage)  # a resumed worker must find the checkpoints
-        print(f"run {name!r} under {storage} ({res.workers} worker(s), "
-              f"{res.cpus_per_worker:g} CPU + {res.gpus_per_worker:g} GPU each); rerun the same "
-              "command to resume")
+        print(
+            f"run {name!r} under {storage} ({res.workers} worker(s), "
+            f"{res.cpus_per_worker:g} CPU + {res.gpus_per_worker:g} GPU each); rerun the same "
+            "command to resume"
+        )
         trainer = build_trainer(cfg, storage=storage, name=name, max_failures=max_failures)
         try:
             result = trainer.fit()
@@ -213,7 +238,9 @@ def train_on_ray(cfg: RayExperiment, *, address: str | None, storage: str | None
         raise DivergedError(outcome["reason"])
     best = result.get_best_checkpoint("val_loss", "min")
     metrics = result.metrics or {}
-    print(f"done: step {metrics.get('step', 0):.0f}, val loss {metrics.get('val_loss', float('nan')):.4f}"
-          f" | best checkpoint {best.path if best else None} | last checkpoint "
-          f"{result.checkpoint.path if result.checkpoint else None}")
+    print(
+        f"done: step {metrics.get('step', 0):.0f}, val loss {metrics.get('val_loss', float('nan')):.4f}"
+        f" | best checkpoint {best.path if best else None} | last checkpoint "
+        f"{result.checkpoint.path if result.checkpoint else None}"
+    )
     return 0

@@ -34,13 +34,25 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], runs_storage: str) -
     try:
         outcome = train_here(cfg) if is_lean(cfg) else train_ddp(cfg, runs_storage)
     except Exception as err:  # recorded with its reason; never crashes the sweep
-        tune.report({METRIC: diverged_loss(cfg), "tokens": float(trial_tokens(cfg)),
-                     "error": 1.0, "reason": root_message(err)})
+        tune.report(
+            {
+                METRIC: diverged_loss(cfg),
+                "tokens": float(trial_tokens(cfg)),
+                "error": 1.0,
+                "reason": root_message(err),
+            }
+        )
         return
     if outcome.get("status") in ("diverged", "refused"):
         flag = "diverged" if outcome["status"] == "diverged" else "error"
-        tune.report({METRIC: diverged_loss(cfg), "tokens": float(trial_tokens(cfg)),
-                     flag: 1.0, "reason": outcome["reason"]})
+        tune.report(
+            {
+                METRIC: diverged_loss(cfg),
+                "tokens": float(trial_tokens(cfg)),
+                flag: 1.0,
+                "reason": outcome["reason"],
+            }
+        )
 
 
 def train_here(cfg: RayExperiment) -> dict[str, str]:
@@ -55,8 +67,11 @@ def train_here(cfg: RayExperiment) -> dict[str, str]:
     torch.set_num_threads(max(1, int(cfg.resources.cpus_per_worker)))
     trainer = Trainer(cfg)
     resume(trainer, tune.get_checkpoint())
-    extra = {"node_id": ray.get_runtime_context().get_node_id(), "world_size": 1.0,
-             "fit_start_unix": time.time()}
+    extra = {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "world_size": 1.0,
+        "fit_start_unix": time.time(),
+    }
     try:
         trainer.fit(checkpoint_reporter(tune.report, tune.Checkpoint, extra))
     except DivergedError as err:
@@ -70,6 +85,7 @@ def train_ddp(cfg: RayExperiment, runs_storage: str) -> dict[str, str]:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     name = f"train-{tune.get_context().get_trial_id()}"
-    trainer = build_trainer(cfg, storage=runs_storage, name=name, max_failures=1,
-                            callbacks=[TuneReportCallback()])
+    trainer = build_trainer(
+        cfg, storage=runs_storage, name=name, max_failures=1, callbacks=[TuneReportCallback()]
+    )
     return trainer.fit().return_value or {}

@@ -18,9 +18,17 @@ from gptcore.errors import UserError
 REPORT_COLUMNS = ["tokens", "loss", "val_loss", "val_bpb", "tokens_per_sec"]
 
 
-def new_tuner(cfg: RayExperiment, space: Any, exp_dir: Path, width: int, *,
-              tune_config: Any = None, param_space: dict | None = None, stop: Any = None,
-              tracking_name: str = "") -> Any:
+def new_tuner(
+    cfg: RayExperiment,
+    space: Any,
+    exp_dir: Path,
+    width: int,
+    *,
+    tune_config: Any = None,
+    param_space: dict | None = None,
+    stop: Any = None,
+    tracking_name: str = "",
+) -> Any:
     """The Tuner of experiment `exp_dir`: one `run_trial` per trial, `space.overrides(config)`
     turning a trial's config into config values. The search defaults to TPE + ASHA from
     `cfg.sweep` (`search_config`); `gptrun confirm` and the benchmarks pass their own. Trackers
@@ -37,18 +45,32 @@ def new_tuner(cfg: RayExperiment, space: Any, exp_dir: Path, width: int, *,
     tune_config.max_concurrent_trials = width
     tune_config.trial_dirname_creator = trial_dirname
     tune_config.reuse_actors = is_lean(cfg)  # a warm process: torch imported, threads set up
-    reporter = tune.CLIReporter(metric_columns=REPORT_COLUMNS, max_report_frequency=30,
-                                parameter_columns=list(space.keys), metric=METRIC, mode=MODE,
-                                sort_by_metric=True)
-    callbacks = [TrialEvents(exp_dir, trial_tokens(cfg)),
-                 *tracking_callbacks(cfg, tracking_name or exp_dir.name)]
+    reporter = tune.CLIReporter(
+        metric_columns=REPORT_COLUMNS,
+        max_report_frequency=30,
+        parameter_columns=list(space.keys),
+        metric=METRIC,
+        mode=MODE,
+        sort_by_metric=True,
+    )
+    callbacks = [
+        TrialEvents(exp_dir, trial_tokens(cfg)),
+        *tracking_callbacks(cfg, tracking_name or exp_dir.name),
+    ]
     return tune.Tuner(
-        trainable(cfg, space, exp_dir), param_space=param_space, tune_config=tune_config,
+        trainable(cfg, space, exp_dir),
+        param_space=param_space,
+        tune_config=tune_config,
         run_config=tune.RunConfig(
-            name=exp_dir.name, storage_path=str(exp_dir.parent), progress_reporter=reporter,
-            verbose=1, stop=stop, callbacks=callbacks,
+            name=exp_dir.name,
+            storage_path=str(exp_dir.parent),
+            progress_reporter=reporter,
+            verbose=1,
+            stop=stop,
+            callbacks=callbacks,
             checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints or None),
-            failure_config=tune.FailureConfig(max_failures=1)),
+            failure_config=tune.FailureConfig(max_failures=1),
+        ),
     )
 
 
@@ -62,8 +84,7 @@ def restore_tuner(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
     back from Tune's state; unfinished trials continue from their last checkpoint."""
     from ray import tune
 
-    return tune.Tuner.restore(str(exp_dir), trainable=trainable(cfg, space, exp_dir),
-                              resume_errored=True)
+    return tune.Tuner.restore(str(exp_dir), trainable=trainable(cfg, space, exp_dir), resume_errored=True)
 
 
 def trainable(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
@@ -72,8 +93,8 @@ def trainable(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
 
     base = {"config": cfg.to_dict(), "space": space}
     return tune.with_resources(
-        tune.with_parameters(run_trial, base=base, runs_storage=str(exp_dir / RUNS_DIR)),
-        trial_resources(cfg))
+        tune.with_parameters(run_trial, base=base, runs_storage=str(exp_dir / RUNS_DIR)), trial_resources(cfg)
+    )
 
 
 def search_config(cfg: RayExperiment, space: Space, exp_dir: Path) -> Any:
@@ -86,18 +107,33 @@ def search_config(cfg: RayExperiment, space: Space, exp_dir: Path) -> Any:
     from experiments.study import StudySearch, rdb_storage
 
     points = [space.baseline(cfg)] if cfg.sweep.baseline else None
-    sampler = optuna.samplers.TPESampler(seed=cfg.sweep.seed,
-                                         n_startup_trials=startup_trials(cfg.sweep.num_samples))
+    sampler = optuna.samplers.TPESampler(
+        seed=cfg.sweep.seed, n_startup_trials=startup_trials(cfg.sweep.num_samples)
+    )
     max_t = trial_tokens(cfg)
-    searcher = StudySearch(full_tokens=max_t, space=space.suggest, points_to_evaluate=points,
-                           sampler=sampler, study_name=exp_dir.name, metric=METRIC, mode=MODE,
-                           storage=rdb_storage(study_url(cfg, exp_dir)))
-    scheduler = RecordingASHA(exp_dir, time_attr="tokens", max_t=max_t,
-                              grace_period=grace_tokens(cfg),
-                              reduction_factor=cfg.sweep.reduction_factor, metric=METRIC, mode=MODE)
+    searcher = StudySearch(
+        full_tokens=max_t,
+        space=space.suggest,
+        points_to_evaluate=points,
+        sampler=sampler,
+        study_name=exp_dir.name,
+        metric=METRIC,
+        mode=MODE,
+        storage=rdb_storage(study_url(cfg, exp_dir)),
+    )
+    scheduler = RecordingASHA(
+        exp_dir,
+        time_attr="tokens",
+        max_t=max_t,
+        grace_period=grace_tokens(cfg),
+        reduction_factor=cfg.sweep.reduction_factor,
+        metric=METRIC,
+        mode=MODE,
+    )
     budget = parse_duration(cfg.sweep.budget) if cfg.sweep.budget else None
-    return tune.TuneConfig(search_alg=searcher, scheduler=scheduler,
-                           num_samples=cfg.sweep.num_samples, time_budget_s=budget)
+    return tune.TuneConfig(
+        search_alg=searcher, scheduler=scheduler, num_samples=cfg.sweep.num_samples, time_budget_s=budget
+    )
 
 
 def tracking_callbacks(cfg: RayExperiment, experiment: str) -> list[Any]:
@@ -111,8 +147,11 @@ def tracking_callbacks(cfg: RayExperiment, experiment: str) -> list[Any]:
 
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no calls home
 
-        callbacks.append(MLflowLoggerCallback(tracking_uri=cfg.tracking.mlflow_uri,
-                                              experiment_name=experiment, save_artifact=False))
+        callbacks.append(
+            MLflowLoggerCallback(
+                tracking_uri=cfg.tracking.mlflow_uri, experiment_name=experiment, save_artifact=False
+            )
+        )
     if cfg.tracking.wandb_project:
         _require_extra("wandb", "wandb")
         from ray.air.integrations.wandb import WandbLoggerCallback

@@ -97,5 +97,7 @@ def check_writable_dir(path: str | os.PathLike, name: str) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".gptrun-probe-", dir=existing))
     except OSError as err:
-        raise UserError(f"{name} {path} is not writable ({err.strerror} in {existing}); give a "
-                        "folder on a writable filesystem") from None
+        raise UserError(
+            f"{name} {path} is not writable ({err.strerror} in {existing}); give a "
+            "folder on a writable filesystem"
+        ) from None

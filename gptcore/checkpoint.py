@@ -56,8 +56,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str = "cpu") -> dict[
     size = _verified_payload_size(path)
     with open(path, "rb") as f:
         try:
-            state = torch.load(io.BufferedReader(_Prefix(f, size)), map_location=map_location,
-                               weights_only=True)
+            state = torch.load(
+                io.BufferedReader(_Prefix(f, size)), map_location=map_location, weights_only=True
+            )
         except Exception as err:  # torch raises several types for payloads it cannot read
             raise _damaged(path, f"unreadable payload ({type(err).__name__})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -75,7 +76,7 @@ def _verified_payload_size(path: Path) -> int:
         trailer = f.read()
     if not trailer.startswith(TRAILER_MAGIC):
         raise _damaged(path, "no checksum trailer (truncated, or not written by this gptrun)")
-    if _sha256(path, size) != trailer[len(TRAILER_MAGIC):]:
+    if _sha256(path, size) != trailer[len(TRAILER_MAGIC) :]:
         raise _damaged(path, "sha256 mismatch")
     return size
 

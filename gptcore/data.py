@@ -55,14 +55,17 @@ class TokenData:
             raise UserError(f"{meta_path} is not readable JSON ({err}); {hint}") from None
         try:
             if self.meta["format_version"] != FORMAT_VERSION:
-                raise UserError(f"{meta_path} has format_version {self.meta['format_version']}, "
-                                f"this gptrun reads {FORMAT_VERSION}; {hint}")
+                raise UserError(
+                    f"{meta_path} has format_version {self.meta['format_version']}, "
+                    f"this gptrun reads {FORMAT_VERSION}; {hint}"
+                )
             self.vocab_size: int = int(self.meta["vocab_size"])
             self.tokenizer_sha256: str = self.meta["tokenizer_sha256"]
             self.eot_id: int = int(self.meta["eot_id"])
-            self._shards = {split: [self._open_shard(name)
-                                    for name in self.meta["splits"][split]["shards"]]
-                            for split in ("train", "val")}
+            self._shards = {
+                split: [self._open_shard(name) for name in self.meta["splits"][split]["shards"]]
+                for split in ("train", "val")
+            }
         except (KeyError, TypeError) as err:
             raise UserError(f"{meta_path} is incomplete ({err!r}); {hint}") from None
         self.tokenizer_path = self.dir / "tokenizer.json"
@@ -72,67 +75,85 @@ class TokenData:
         try:
             shard = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as err:
-            raise UserError(f"token shard {path} is missing or unreadable ({err}); re-run "
-                            f"`gptrun prepare --out {self.dir} --force`") from None
+            raise UserError(
+                f"token shard {path} is missing or unreadable ({err}); re-run "
+                f"`gptrun prepare --out {self.dir} --force`"
+            ) from None
         if shard.dtype != np.uint16 or shard.ndim != 1:
-            raise UserError(f"token shard {path} is {shard.dtype}{list(shard.shape)}, not 1-D "
-                            f"uint16; re-run `gptrun prepare --out {self.dir} --force`")
+            raise UserError(
+                f"token shard {path} is {shard.dtype}{list(shard.shape)}, not 1-D "
+                f"uint16; re-run `gptrun prepare --out {self.dir} --force`"
+            )
         return shard
 
     def __reduce__(self) -> tuple:
         """Pickle as the folder path: memory maps would otherwise be copied whole (Ray)."""
         return (TokenData, (self.dir,))
 
-    def train_batch(self, *, seed: int, step: int, micro: int, rank: int, world_size: int,
-                    batch_size: int, grad_accum: int, seq_len: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(
+        self,
+        *,
+        seed: int,
+        step: int,
+        micro: int,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        grad_accum: int,
+        seq_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, (batch_size, seq_len) int64, for one micro-batch.
 
         One global draw of grad_accum * world_size * batch_size windows per (seed, step),
         uniform over every window that fits inside a shard; (micro, rank) takes its slice.
         """
         if not (0 <= micro < grad_accum and 0 <= rank < world_size):
-            raise ValueError(f"micro={micro} rank={rank} outside grad_accum={grad_accum} "
-                             f"world_size={world_size}")
+            raise ValueError(
+                f"micro={micro} rank={rank} outside grad_accum={grad_accum} world_size={world_size}"
+            )
         shards = self._shards["train"]
         starts_per_shard = np.array([max(len(s) - seq_len, 0) for s in shards], dtype=np.int64)
         ends = np.cumsum(starts_per_shard)
         if not len(ends) or ends[-1] == 0:
-            raise UserError(f"train split of {self.dir} has no shard longer than seq_len+1 = "
-                            f"{seq_len + 1} tokens; use a smaller seq_len or more data")
+            raise UserError(
+                f"train split of {self.dir} has no shard longer than seq_len+1 = "
+                f"{seq_len + 1} tokens; use a smaller seq_len or more data"
+            )
         rng = np.random.default_rng([seed, step])
         picks = rng.integers(0, ends[-1], size=grad_accum * world_size * batch_size)
         first = (micro * world_size + rank) * batch_size
-        picks = picks[first:first + batch_size]
+        picks = picks[first : first + batch_size]
         shard_of = np.searchsorted(ends, picks, side="right")
         offsets = picks - (ends[shard_of] - starts_per_shard[shard_of])
-        windows = np.stack([shards[k][o:o + seq_len + 1] for k, o in zip(shard_of, offsets,
-                                                                            strict=True)])
+        windows = np.stack([shards[k][o : o + seq_len + 1] for k, o in zip(shard_of, offsets, strict=True)])
         return _shifted(windows)
 
     def num_val_windows(self, seq_len: int, eval_tokens: int) -> int:
         """How many seq_len+1 windows (stride seq_len) of val the first eval_tokens hold (>= 1)."""
         total = sum(len(s) for s in self._shards["val"])
         if total < seq_len + 1:
-            raise UserError(f"val split of {self.dir} has {total} tokens, fewer than one window "
-                            f"of seq_len+1 = {seq_len + 1}; use a smaller seq_len or re-run "
-                            "`gptrun prepare` with a larger --val-fraction")
+            raise UserError(
+                f"val split of {self.dir} has {total} tokens, fewer than one window "
+                f"of seq_len+1 = {seq_len + 1}; use a smaller seq_len or re-run "
+                "`gptrun prepare` with a larger --val-fraction"
+            )
         return max(1, (min(eval_tokens, total) - 1) // seq_len)
 
-    def val_batches(self, *, seq_len: int, batch_size: int, eval_tokens: int, rank: int = 0,
-                    world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def val_batches(
+        self, *, seq_len: int, batch_size: int, eval_tokens: int, rank: int = 0, world_size: int = 1
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The fixed validation slice: consecutive windows from the start of val, window i on
         rank i % world_size, in batches of batch_size. Ranks may differ by one window, so sum
         loss and token counts across ranks rather than averaging per-rank means."""
         n = self.num_val_windows(seq_len, eval_tokens)
         need, parts = n * seq_len + 1, []
         for shard in self._shards["val"]:  # read only the head of the val split
-            parts.append(shard[:need - sum(map(len, parts))])
+            parts.append(shard[: need - sum(map(len, parts))])
         tokens = np.concatenate(parts)
         mine = range(rank, n, world_size)
         for i in range(0, len(mine), batch_size):
-            starts = [w * seq_len for w in mine[i:i + batch_size]]
-            yield _shifted(np.stack([tokens[s:s + seq_len + 1] for s in starts]))
+            starts = [w * seq_len for w in mine[i : i + batch_size]]
+            yield _shifted(np.stack([tokens[s : s + seq_len + 1] for s in starts]))
 
 
 def _shifted(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

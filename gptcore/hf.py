@@ -35,15 +35,27 @@ def to_hf_state_dict(model: GPT) -> tuple[dict[str, Any], dict[str, Tensor]]:
 
     if cfg.style == "gpt2":
         if cfg.n_kv_head != cfg.n_head:
-            raise UserError(f"model.n_kv_head={cfg.n_kv_head} != model.n_head={cfg.n_head}: "
-                            "GPT2LMHeadModel has no grouped-query attention; export a llama-style "
-                            "model or set n_kv_head = n_head")
+            raise UserError(
+                f"model.n_kv_head={cfg.n_kv_head} != model.n_head={cfg.n_head}: "
+                "GPT2LMHeadModel has no grouped-query attention; export a llama-style "
+                "model or set n_kv_head = n_head"
+            )
         kwargs: dict[str, Any] = dict(
-            vocab_size=cfg.vocab_size, n_positions=cfg.max_positions, n_embd=cfg.d_model,
-            n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.d_ff,
-            activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
-            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.max_positions,
+            n_embd=cfg.d_model,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_inner=cfg.d_ff,
+            activation_function="gelu_new",
+            layer_norm_epsilon=cfg.norm_eps,
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         put("transformer.wte.weight", model.tok_emb.weight)
         put("transformer.wpe.weight", model.pos_emb.weight)
         for i, block in enumerate(model.blocks):
@@ -51,8 +63,12 @@ def to_hf_state_dict(model: GPT) -> tuple[dict[str, Any], dict[str, Tensor]]:
             for ours, theirs in ((block.norm1, "ln_1"), (block.norm2, "ln_2")):
                 put(pre + theirs + ".weight", ours.weight)
                 put(pre + theirs + ".bias", ours.bias)
-            for ours, theirs in ((block.attn.qkv, "attn.c_attn"), (block.attn.proj, "attn.c_proj"),
-                                 (block.mlp.fc, "mlp.c_fc"), (block.mlp.proj, "mlp.c_proj")):
+            for ours, theirs in (
+                (block.attn.qkv, "attn.c_attn"),
+                (block.attn.proj, "attn.c_proj"),
+                (block.mlp.fc, "mlp.c_fc"),
+                (block.mlp.proj, "mlp.c_proj"),
+            ):
                 put(pre + theirs + ".weight", ours.weight, transpose=True)
                 put(pre + theirs + ".bias", ours.bias)
         put("transformer.ln_f.weight", model.norm_f.weight)
@@ -60,13 +76,24 @@ def to_hf_state_dict(model: GPT) -> tuple[dict[str, Any], dict[str, Tensor]]:
     else:
         head_dim = cfg.d_model // cfg.n_head
         kwargs = dict(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
-            num_key_value_heads=cfg.n_kv_head, head_dim=head_dim, hidden_act="silu",
-            max_position_embeddings=cfg.max_positions, rms_norm_eps=cfg.norm_eps,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.d_model,
+            intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            num_key_value_heads=cfg.n_kv_head,
+            head_dim=head_dim,
+            hidden_act="silu",
+            max_position_embeddings=cfg.max_positions,
+            rms_norm_eps=cfg.norm_eps,
             rope_theta=cfg.rope_theta,  # transformers 5 turns it into rope_parameters
-            attention_bias=False, mlp_bias=False, attention_dropout=cfg.dropout,
-            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+            attention_bias=False,
+            mlp_bias=False,
+            attention_dropout=cfg.dropout,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         put("model.embed_tokens.weight", model.tok_emb.weight)
         q_size, kv_size = cfg.n_head * head_dim, cfg.n_kv_head * head_dim
         for i, block in enumerate(model.blocks):
@@ -96,8 +123,7 @@ def build_hf_model(model: GPT, attn_implementation: str = "sdpa") -> nn.Module:
     try:
         import transformers
     except ImportError:
-        raise UserError("Hugging Face support needs transformers: pip install 'gptrun[hf]'") \
-            from None
+        raise UserError("Hugging Face support needs transformers: pip install 'gptrun[hf]'") from None
     kwargs, sd = to_hf_state_dict(model)
     if model.cfg.style == "gpt2":
         config = transformers.GPT2Config(**kwargs, attn_implementation=attn_implementation)

@@ -68,8 +68,10 @@ def device_peak_flops(device: torch.device | str) -> tuple[float, str]:
         threads = torch.get_num_threads()
         cpu = _cpu_name()
         peak = _cpu_peak_flops(f"{cpu}|threads={threads}|torch={torch.__version__}")
-        return peak, (f"{cpu}, {threads} threads: {peak / 1e9:.1f} GFLOP/s fp32 matmul (measured "
-                      f"once, cached in {cache_dir() / _CACHE_FILE}; delete it to re-measure)")
+        return peak, (
+            f"{cpu}, {threads} threads: {peak / 1e9:.1f} GFLOP/s fp32 matmul (measured "
+            f"once, cached in {cache_dir() / _CACHE_FILE}; delete it to re-measure)"
+        )
     return 0.0, f"no peak known for device type {device.type!r}"
 
 

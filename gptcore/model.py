@@ -84,16 +84,17 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.d_model // cfg.n_head
         self.dropout = cfg.dropout
         bias = cfg.style == "gpt2"
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * self.head_dim,
-                             bias=bias)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * self.head_dim, bias=bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=bias)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None,
-                kv_cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kv_cache: KVCache | None = None
+    ) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
-             self.n_kv_head * self.head_dim], dim=-1)
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
+            dim=-1,
+        )
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -110,9 +111,14 @@ class CausalSelfAttention(nn.Module):
         if past and T > 1:
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=past == 0,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=past == 0,
             dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_head != self.n_head)
+            enable_gqa=self.n_kv_head != self.n_head,
+        )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
 
@@ -160,8 +166,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg) if cfg.style == "gpt2" else SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None,
-                kv_cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kv_cache: KVCache | None = None
+    ) -> Tensor:
         x = x + self.drop(self.attn(self.norm1(x), rope, kv_cache))
         return x + self.drop(self.mlp(self.norm2(x)))
 
@@ -204,14 +211,13 @@ class GPT(nn.Module):
         T = idx.size(1)
         start = kv_cache.length if kv_cache is not None else 0
         if start + T > self.cfg.max_positions:
-            raise ValueError(f"{start + T} positions exceed model.max_positions="
-                             f"{self.cfg.max_positions}")
+            raise ValueError(f"{start + T} positions exceed model.max_positions={self.cfg.max_positions}")
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))
         rope = None
         if self.cfg.style == "llama":
-            rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
+            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, rope, kv_cache)
@@ -219,9 +225,13 @@ class GPT(nn.Module):
             kv_cache.length += T
         return self.norm_f(x)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None,
-                kv_cache: KVCache | None = None,
-                loss_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        loss_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """Logits (B, T, vocab) and, given targets, the mean cross-entropy.
 
         `targets` are already shifted by the loader (targets[:, t] is the token after idx[:, t]),
@@ -240,9 +250,17 @@ class GPT(nn.Module):
         return logits, (per_token * weights).sum() / weights.sum().clamp_min(1.0)
 
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-                 use_cache: bool = True, stop_token: int | None = None) -> Tensor:
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+        stop_token: int | None = None,
+    ) -> Tensor:
         """Extend `idx` (B, T) by up to `max_new_tokens` sampled tokens; returns (B, T + n).
 
         temperature 0 is greedy; top_k > 0 keeps the k likeliest tokens; top_p < 1 keeps the
@@ -256,12 +274,11 @@ class GPT(nn.Module):
         was_training = self.training
         self.eval()
         max_pos = self.cfg.max_positions
-        cache = KVCache(self.cfg.n_layer, min(max_pos, idx.size(1) + max_new_tokens)) \
-            if use_cache else None
+        cache = KVCache(self.cfg.n_layer, min(max_pos, idx.size(1) + max_new_tokens)) if use_cache else None
         finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if cache is not None and idx.size(1) <= max_pos:
-                hidden = self._hidden(idx[:, cache.length:], cache)  # the prompt, then 1 token
+                hidden = self._hidden(idx[:, cache.length :], cache)  # the prompt, then 1 token
             else:
                 hidden = self._hidden(idx[:, -max_pos:])
             logits = self.lm_head(hidden[:, -1, :]).float()
@@ -306,8 +323,13 @@ class GPT(nn.Module):
         return 6.0 * n_matmul + 12.0 * self.cfg.n_layer * self.cfg.d_model * T
 
 
-def sample(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> Tensor:
+def sample(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """Pick one token id per row of (B, vocab) logits; see `GPT.generate` for the knobs."""
     if temperature == 0:
         return logits.argmax(dim=-1)

@@ -38,9 +38,14 @@ class AdamW(torch.optim.Optimizer):
     held between steps.
     """
 
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
         if not lr >= 0:
             raise ValueError(f"invalid learning rate {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -80,19 +85,43 @@ class AdamW(torch.optim.Optimizer):
                 if scratch is None:
                     scratch = self._scratch[p] = torch.empty_like(p)
                 bucket = buckets.setdefault((p.device, p.dtype), [[], [], [], [], [], []])
-                for lst, t in zip(bucket, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                                           state["step"], scratch), strict=True):
+                for lst, t in zip(
+                    bucket,
+                    (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], scratch),
+                    strict=True,
+                ):
                     lst.append(t)
             for params, grads, exp_avgs, exp_avg_sqs, steps, denom in buckets.values():
-                _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, denom, lr=group["lr"],
-                               beta1=group["betas"][0], beta2=group["betas"][1],
-                               eps=group["eps"], weight_decay=group["weight_decay"])
+                _adamw_foreach(
+                    params,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    steps,
+                    denom,
+                    lr=group["lr"],
+                    beta1=group["betas"][0],
+                    beta2=group["betas"][1],
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                )
         return loss
 
 
-def _adamw_foreach(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                   exp_avg_sqs: list[Tensor], steps: list[Tensor], denom: list[Tensor], *,
-                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+def _adamw_foreach(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    denom: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
     """One AdamW update of tensors sharing a device and dtype (the math in `AdamW`'s doc);
     `denom` is scratch space shaped like `params`."""
     # The step counters live on the CPU; one wrapped 1.0 avoids re-wrapping it per tensor.
@@ -108,8 +137,8 @@ def _adamw_foreach(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     step_values = [s.item() for s in steps]
     if all(t == step_values[0] for t in step_values):
         step_values = step_values[:1]
-    step_size = [-lr / (1 - beta1 ** t) for t in step_values]
-    bias_correction2_sqrt = [(1 - beta2 ** t) ** 0.5 for t in step_values]
+    step_size = [-lr / (1 - beta1**t) for t in step_values]
+    bias_correction2_sqrt = [(1 - beta2**t) ** 0.5 for t in step_values]
 
     torch._foreach_copy_(denom, exp_avg_sqs)
     torch._foreach_sqrt_(denom)
@@ -123,8 +152,9 @@ def _adamw_foreach(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
         torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
 
 
-def param_groups(model: nn.Module, weight_decay: float,
-                 decay_embeddings: bool = True) -> list[dict[str, Any]]:
+def param_groups(
+    model: nn.Module, weight_decay: float, decay_embeddings: bool = True
+) -> list[dict[str, Any]]:
     """Split trainable parameters into a decayed and a non-decayed group for AdamW.
 
     Weight decay pulls weights toward 0, which is right for the matrices of linears but wrong for
@@ -146,8 +176,10 @@ def param_groups(model: nn.Module, weight_decay: float,
             decay.append(p)
         else:
             no_decay.append(p)
-    groups = [dict(name="decay", params=decay, weight_decay=weight_decay),
-              dict(name="no_decay", params=no_decay, weight_decay=0.0)]
+    groups = [
+        dict(name="decay", params=decay, weight_decay=weight_decay),
+        dict(name="no_decay", params=no_decay, weight_decay=0.0),
+    ]
     return [g for g in groups if g["params"]]
 
 

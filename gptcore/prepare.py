@@ -47,10 +47,19 @@ ROUND_TRIP_DOCS = 16
 T = TypeVar("T")
 
 
-def prepare(inputs: Sequence[str | os.PathLike], corpus: str | None, out: str | os.PathLike,
-            vocab_size: int = 6400, text_field: str = "text", val_fraction: float | None = None,
-            tokenizer: str | os.PathLike | None = None, force: bool = False,
-            errors: str = "strict", workers: int | None = None, progress: bool = True) -> dict:
+def prepare(
+    inputs: Sequence[str | os.PathLike],
+    corpus: str | None,
+    out: str | os.PathLike,
+    vocab_size: int = 6400,
+    text_field: str = "text",
+    val_fraction: float | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    force: bool = False,
+    errors: str = "strict",
+    workers: int | None = None,
+    progress: bool = True,
+) -> dict:
     """Build (or find up to date) the prepared data folder `out`; return its meta.json."""
     started = time.perf_counter()
     out = Path(out)
@@ -67,9 +76,13 @@ def prepare(inputs: Sequence[str | os.PathLike], corpus: str | None, out: str | 
     if bool(corpus) == bool(inputs):
         raise UserError("give exactly one of --corpus NAME or --input PATH...")
     sources = [open_corpus(corpus)] if corpus else open_inputs(inputs, text_field, errors)
-    options = {"vocab_size": tok.get_vocab_size() if tok else vocab_size,
-               "text_field": text_field, "val_fraction": val_fraction, "errors": errors,
-               "tokenizer": file_sha256(tokenizer) if tokenizer else None}
+    options = {
+        "vocab_size": tok.get_vocab_size() if tok else vocab_size,
+        "text_field": text_field,
+        "val_fraction": val_fraction,
+        "errors": errors,
+        "tokenizer": file_sha256(tokenizer) if tokenizer else None,
+    }
     fingerprint = _fingerprint(sources, options)
     if not force and (meta := _up_to_date(out, fingerprint)):
         print(f"{out} is up to date (use --force to rebuild)")
@@ -81,9 +94,12 @@ def prepare(inputs: Sequence[str | os.PathLike], corpus: str | None, out: str | 
     timings = {"read": time.perf_counter() - started}
 
     if tok is None:
-        tok = train_tokenizer((d for d, v in zip(docs(), in_val, strict=True) if not v), vocab_size,
-                              progress=progress and sys.stderr.isatty(),
-                              length=int((~in_val).sum()))
+        tok = train_tokenizer(
+            (d for d, v in zip(docs(), in_val, strict=True) if not v),
+            vocab_size,
+            progress=progress and sys.stderr.isatty(),
+            length=int((~in_val).sum()),
+        )
         timings["tokenizer"] = time.perf_counter() - started - sum(timings.values())
     eot = tok.token_to_id(EOT)
 
@@ -94,8 +110,7 @@ def prepare(inputs: Sequence[str | os.PathLike], corpus: str | None, out: str | 
         save_tokenizer(tok, tmp)
         writers = {split: _ShardWriter(tmp, split) for split in counts}
         with bar(total=total_bytes, desc="encoding", unit="B", unit_scale=True) as progress_bar:
-            for (split, nbytes), ids in parallel_encode(_batches(docs(), in_val, counts), tok,
-                                                        workers):
+            for (split, nbytes), ids in parallel_encode(_batches(docs(), in_val, counts), tok, workers):
                 writers[split].write(ids)
                 progress_bar.update(nbytes)
         for split, writer in writers.items():
@@ -114,11 +129,15 @@ def prepare(inputs: Sequence[str | os.PathLike], corpus: str | None, out: str | 
             "fingerprint": fingerprint,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        checked = _round_trip(tok, (d for d, v in zip(docs(), in_val, strict=True) if v),
-                              [tmp / s for s in counts["val"]["shards"]])
+        checked = _round_trip(
+            tok,
+            (d for d, v in zip(docs(), in_val, strict=True) if v),
+            [tmp / s for s in counts["val"]["shards"]],
+        )
         _require_round_trip(checked, out)  # before the folder is committed
-    _print_summary(out, meta, checked, timings, workers, trained=tokenizer is None,
-                   seconds=time.perf_counter() - started)
+    _print_summary(
+        out, meta, checked, timings, workers, trained=tokenizer is None, seconds=time.perf_counter() - started
+    )
     return meta
 
 
@@ -127,25 +146,33 @@ def _check_out(out: Path) -> None:
     that is not ours."""
     check_writable_dir(out, "--out")
     if out.is_dir() and any(out.iterdir()) and not (out / "meta.json").is_file():
-        raise UserError(f"--out {out} is a non-empty folder not written by gptrun prepare; "
-                        "choose another --out or empty it")
+        raise UserError(
+            f"--out {out} is a non-empty folder not written by gptrun prepare; "
+            "choose another --out or empty it"
+        )
 
 
 def _reused_tokenizer(path: Path) -> Tokenizer:
     tok = load_tokenizer(path)
     if tok.token_to_id(EOT) is None:
-        raise UserError(f"tokenizer {path} has no {EOT} token, which separates documents; "
-                        "train one with `gptrun prepare` instead of --tokenizer")
+        raise UserError(
+            f"tokenizer {path} has no {EOT} token, which separates documents; "
+            "train one with `gptrun prepare` instead of --tokenizer"
+        )
     if tok.get_vocab_size() > VOCAB_LIMIT:
-        raise UserError(f"tokenizer {path} has {tok.get_vocab_size()} tokens but uint16 shards "
-                        f"hold at most {VOCAB_LIMIT}; use a smaller tokenizer")
+        raise UserError(
+            f"tokenizer {path} has {tok.get_vocab_size()} tokens but uint16 shards "
+            f"hold at most {VOCAB_LIMIT}; use a smaller tokenizer"
+        )
     return tok
 
 
 def _fingerprint(sources: list[Source], options: dict) -> str:
     """What the output depends on; equal fingerprints mean a rerun would write the same."""
-    blob = json.dumps({"format_version": FORMAT_VERSION, "sources": [s.record for s in sources],
-                       "options": options}, sort_keys=True)
+    blob = json.dumps(
+        {"format_version": FORMAT_VERSION, "sources": [s.record for s in sources], "options": options},
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -153,8 +180,7 @@ def _up_to_date(out: Path, fingerprint: str) -> dict | None:
     """The existing meta.json if `out` is complete and was built from the same inputs."""
     try:
         meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
-        files = ["tokenizer.json"] + [s for split in meta["splits"].values()
-                                      for s in split["shards"]]
+        files = ["tokenizer.json"] + [s for split in meta["splits"].values() for s in split["shards"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if meta.get("fingerprint") == fingerprint and all((out / f).is_file() for f in files):
@@ -183,11 +209,14 @@ def _split(docs: Iterable[str], val_fraction: float | None) -> tuple[np.ndarray,
         digest.update(data)
         hashes.append(int.from_bytes(digest.digest(), "little"))
     if not hashes:
-        raise UserError("no text in the inputs: every document is empty or whitespace; check "
-                        "the files and --text-field")
+        raise UserError(
+            "no text in the inputs: every document is empty or whitespace; check the files and --text-field"
+        )
     if len(hashes) < 2:
-        raise UserError("only 1 non-empty document, but train and val need one each; add "
-                        f"documents or separate them with {EOT} in a .txt file")
+        raise UserError(
+            "only 1 non-empty document, but train and val need one each; add "
+            f"documents or separate them with {EOT} in a .txt file"
+        )
     # Default: ~300k val tokens at ~3.5 bytes/token, at least 1% and at most 10% of documents.
     fraction = val_fraction or max(0.01, min(0.10, 300_000 * 3.5 / total))
     h = np.frombuffer(hashes, dtype=np.uint64)
@@ -199,8 +228,9 @@ def _split(docs: Iterable[str], val_fraction: float | None) -> tuple[np.ndarray,
     return in_val, total
 
 
-def _batches(docs: Iterable[str], in_val: np.ndarray,
-             counts: dict) -> Iterator[tuple[tuple[str, int], list[str]]]:
+def _batches(
+    docs: Iterable[str], in_val: np.ndarray, counts: dict
+) -> Iterator[tuple[tuple[str, int], list[str]]]:
     """Group documents by split into encoding tasks tagged (split, bytes); count docs/bytes."""
     batch: dict[str, list[str]] = {"train": [], "val": []}
     size = {"train": 0, "val": 0}
@@ -219,8 +249,9 @@ def _batches(docs: Iterable[str], in_val: np.ndarray,
             yield (split, size[split]), docs_left
 
 
-def parallel_encode(batches: Iterable[tuple[T, list[str]]], tok: Tokenizer,
-                    workers: int) -> Iterator[tuple[T, np.ndarray]]:
+def parallel_encode(
+    batches: Iterable[tuple[T, list[str]]], tok: Tokenizer, workers: int
+) -> Iterator[tuple[T, np.ndarray]]:
     """Encode batches of documents in `workers` processes; yield (tag, uint16 ids) in input
     order, each document followed by EOT. At most 2 * workers batches are in flight, so memory
     stays bounded however large the corpus is."""
@@ -286,7 +317,7 @@ class _ShardWriter:
     def write(self, ids: np.ndarray) -> None:
         while len(ids):
             n = min(len(ids), len(self.buffer) - self.fill)
-            self.buffer[self.fill:self.fill + n] = ids[:n]
+            self.buffer[self.fill : self.fill + n] = ids[:n]
             self.fill, ids = self.fill + n, ids[n:]
             if self.fill == len(self.buffer):
                 self._flush()
@@ -294,7 +325,7 @@ class _ShardWriter:
     def _flush(self) -> None:
         if self.fill:
             name = f"{self.split}/shard_{len(self.shards):05d}.npy"
-            np.save(self.root / name, self.buffer[:self.fill])
+            np.save(self.root / name, self.buffer[: self.fill])
             self.shards.append(name)
             self.tokens += self.fill
             self.fill = 0
@@ -328,7 +359,7 @@ def _leading_ids(shards: list[Path], n: int) -> np.ndarray:
     for shard in shards:
         if held >= n:
             break
-        parts.append(np.load(shard, mmap_mode="r")[:n - held])
+        parts.append(np.load(shard, mmap_mode="r")[: n - held])
         held += len(parts[-1])
     return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
 
@@ -337,27 +368,44 @@ def _require_round_trip(checked: dict, out: Path) -> None:
     """A tokenizer that loses text (a reused one with a normalizer, say) or shards that differ
     from the encoding would train a model on the wrong data: fail, and write nothing."""
     if checked["ok"] < checked["docs"]:
-        raise UserError(f"round trip failed: decode(encode(doc)) != doc for "
-                        f"{checked['docs'] - checked['ok']} of {checked['docs']} val documents, "
-                        f"so the tokenizer loses text; use a byte-level BPE (drop --tokenizer); "
-                        f"{out} was not written")
+        raise UserError(
+            f"round trip failed: decode(encode(doc)) != doc for "
+            f"{checked['docs'] - checked['ok']} of {checked['docs']} val documents, "
+            f"so the tokenizer loses text; use a byte-level BPE (drop --tokenizer); "
+            f"{out} was not written"
+        )
     if not checked["shard_ok"]:
-        raise UserError(f"round trip failed: the val shard does not hold the ids of its first "
-                        f"{checked['docs']} documents (an encoding bug); {out} was not written")
+        raise UserError(
+            f"round trip failed: the val shard does not hold the ids of its first "
+            f"{checked['docs']} documents (an encoding bug); {out} was not written"
+        )
 
 
-def _print_summary(out: Path, meta: dict, checked: dict, timings: dict[str, float],
-                   workers: int, trained: bool, seconds: float) -> None:
+def _print_summary(
+    out: Path,
+    meta: dict,
+    checked: dict,
+    timings: dict[str, float],
+    workers: int,
+    trained: bool,
+    seconds: float,
+) -> None:
     splits = meta["splits"]
     encoded_mb = (splits["train"]["bytes"] + splits["val"]["bytes"]) / 1e6
     round_trip = f"ok on {checked['docs']} val docs"
-    print(f"wrote {out} in {seconds:.1f} s: vocab {meta['vocab_size']} "
-        f"({'trained' if trained else 'reused'} tokenizer), eot id {meta['eot_id']}")
+    print(
+        f"wrote {out} in {seconds:.1f} s: vocab {meta['vocab_size']} "
+        f"({'trained' if trained else 'reused'} tokenizer), eot id {meta['eot_id']}"
+    )
     print(f"  {'split':<6}{'tokens':>14}{'bytes':>14}{'docs':>9}{'shards':>8}")
     for name, s in splits.items():
-        print(f"  {name:<6}{s['tokens']:>14,}{s['bytes']:>14,}{s['documents']:>9,}"
-            f"{len(s['shards']):>8}")
-    print(f"  val bytes/token {meta['bytes_per_token']:.2f} | round trip {round_trip} | "
-        f"unknown tokens {checked['unknown_rate']:.2%}")
-    print("  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
-        + f" | encode {encoded_mb / max(timings['encode'], 1e-9):.1f} MB/s on {workers} workers")
+        print(f"  {name:<6}{s['tokens']:>14,}{s['bytes']:>14,}{s['documents']:>9,}{len(s['shards']):>8}")
+    print(
+        f"  val bytes/token {meta['bytes_per_token']:.2f} | round trip {round_trip} | "
+        f"unknown tokens {checked['unknown_rate']:.2%}"
+    )
+    print(
+        "  time: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+        + f" | encode {encoded_mb / max(timings['encode'], 1e-9):.1f} MB/s on {workers} workers"
+    )

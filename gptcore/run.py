@@ -59,12 +59,16 @@ def train_local(cfg: ExperimentConfig) -> dict[str, float]:
         result = trainer.fit(run.on_report)
     except KeyboardInterrupt:  # fit lets Ctrl-C through between steps only
         save_checkpoint(last, trainer.state_dict())
-        print(f"\ninterrupted at step {trainer.step}; checkpoint saved to {last}; "
-              "run the same command to resume")
+        print(
+            f"\ninterrupted at step {trainer.step}; checkpoint saved to {last}; "
+            "run the same command to resume"
+        )
         raise
     finally:
         run.tensorboard.close()
-    print(f"done: step {trainer.step}, val loss {result['val_loss']:.4f}, "
-          f"bpb {result['val_bpb']:.4f} | best checkpoint {run.checkpoints / 'best.pt'} | "
-          f"last checkpoint {last}")
+    print(
+        f"done: step {trainer.step}, val loss {result['val_loss']:.4f}, "
+        f"bpb {result['val_bpb']:.4f} | best checkpoint {run.checkpoints / 'best.pt'} | "
+        f"last checkpoint {last}"
+    )
     return result

@@ -37,8 +37,9 @@ class Source:
     documents: Callable[[], Iterator[str]]
 
 
-def open_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text",
-                errors: str = "strict") -> list[Source]:
+def open_inputs(
+    paths: Sequence[str | os.PathLike], text_field: str = "text", errors: str = "strict"
+) -> list[Source]:
     """Check and expand `paths` (folders recursively, sorted) before anything is written."""
     sources: list[Source] = []
     for given in paths:
@@ -48,13 +49,16 @@ def open_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text",
         if path.is_dir():
             files = _folder_inputs(path)
             if not files:
-                raise UserError(f"no .txt, .jsonl or .parquet files under {path}; point --input "
-                                "at a folder or files with those extensions")
+                raise UserError(
+                    f"no .txt, .jsonl or .parquet files under {path}; point --input "
+                    "at a folder or files with those extensions"
+                )
         elif path.suffix in EXTENSIONS:
             files = [path]
         else:
-            raise UserError(f"unsupported input {path}: expected a .txt, .jsonl or .parquet "
-                            "file, or a folder of them")
+            raise UserError(
+                f"unsupported input {path}: expected a .txt, .jsonl or .parquet file, or a folder of them"
+            )
         sources.extend(_open_file(f, text_field, errors) for f in files)
     return sources
 
@@ -74,8 +78,10 @@ def _folder_inputs(root: Path) -> list[Path]:
     if skipped:
         total = sum(skipped.values())
         counts = ", ".join(f"{n} {suffix}" for suffix, n in sorted(skipped.items()))
-        print(f"skipped {total} file{'s' * (total != 1)} under {root} that are not .txt, .jsonl "
-              f"or .parquet: {counts}")
+        print(
+            f"skipped {total} file{'s' * (total != 1)} under {root} that are not .txt, .jsonl "
+            f"or .parquet: {counts}"
+        )
     return files
 
 
@@ -87,14 +93,14 @@ def _open_file(path: Path, text_field: str, errors: str) -> Source:
         reader = functools.partial(jsonl_documents, path, text_field, errors)
     else:
         reader = functools.partial(txt_documents, path, errors)
-    record = {"path": str(path.resolve()), "sha256": file_sha256(path),
-              "bytes": path.stat().st_size}
+    record = {"path": str(path.resolve()), "sha256": file_sha256(path), "bytes": path.stat().st_size}
     return Source(record, reader)
 
 
 def _not_utf8(path: Path, offset: int, where: str = "") -> UserError:
-    return UserError(f"{path}: not valid UTF-8 at byte {offset}{where}; fix the file or pass "
-                     "--errors replace")
+    return UserError(
+        f"{path}: not valid UTF-8 at byte {offset}{where}; fix the file or pass --errors replace"
+    )
 
 
 def txt_documents(path: Path, errors: str = "strict") -> Iterator[str]:
@@ -154,22 +160,30 @@ def jsonl_documents(path: Path, text_field: str = "text", errors: str = "strict"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({err.msg} at column "
-                                f"{err.colno}); fix or remove the line") from None
+                raise UserError(
+                    f"{path}:{lineno}: not valid JSON ({err.msg} at column "
+                    f"{err.colno}); fix or remove the line"
+                ) from None
             if not isinstance(row, dict):
-                raise UserError(f"{path}:{lineno}: expected a JSON object with field "
-                                f"'{text_field}', got {type(row).__name__}; fix the line")
+                raise UserError(
+                    f"{path}:{lineno}: expected a JSON object with field "
+                    f"'{text_field}', got {type(row).__name__}; fix the line"
+                )
             if text_field not in row:
                 keys = ", ".join(map(repr, row)) or "none"
-                raise UserError(f"{path}:{lineno}: no field '{text_field}' (keys: {keys}); pass "
-                                "--text-field with the field that holds the text")
+                raise UserError(
+                    f"{path}:{lineno}: no field '{text_field}' (keys: {keys}); pass "
+                    "--text-field with the field that holds the text"
+                )
             text = row[text_field]
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise UserError(f"{path}:{lineno}: field '{text_field}' is a "
-                                f"{type(text).__name__}, not a string; pass --text-field with "
-                                "the field that holds the text")
+                raise UserError(
+                    f"{path}:{lineno}: field '{text_field}' is a "
+                    f"{type(text).__name__}, not a string; pass --text-field with "
+                    "the field that holds the text"
+                )
             yield _no_surrogates(text, f"{path}:{lineno}", errors)
 
 
@@ -179,8 +193,10 @@ def _no_surrogates(text: str, where: str, errors: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError:
         if errors == "strict":
-            raise UserError(f"{where}: text has an unpaired surrogate escape (\\ud800-\\udfff); "
-                            "fix the line or pass --errors replace") from None
+            raise UserError(
+                f"{where}: text has an unpaired surrogate escape (\\ud800-\\udfff); "
+                "fix the line or pass --errors replace"
+            ) from None
         return text.encode("utf-8", "replace").decode("utf-8")
     return text
 
@@ -189,15 +205,20 @@ def _check_parquet(path: Path, column: str) -> None:
     try:
         schema = pq.ParquetFile(path).schema_arrow
     except (pa.ArrowException, OSError) as err:
-        raise UserError(f"{path}: not a readable parquet file ({str(err).splitlines()[0]}); "
-                        "check the file") from None
+        raise UserError(
+            f"{path}: not a readable parquet file ({str(err).splitlines()[0]}); check the file"
+        ) from None
     if column not in schema.names:
-        raise UserError(f"{path}: no column '{column}' (columns: {', '.join(schema.names)}); "
-                        "pass --text-field with the column that holds the text")
+        raise UserError(
+            f"{path}: no column '{column}' (columns: {', '.join(schema.names)}); "
+            "pass --text-field with the column that holds the text"
+        )
     kind = schema.field(column).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise UserError(f"{path}: column '{column}' has type {kind}, not string; pass "
-                        "--text-field with the column that holds the text")
+        raise UserError(
+            f"{path}: column '{column}' has type {kind}, not string; pass "
+            "--text-field with the column that holds the text"
+        )
 
 
 def parquet_documents(path: Path, column: str = "text") -> Iterator[str]:

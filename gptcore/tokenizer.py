@@ -37,23 +37,32 @@ CHAT_TEMPLATE = (
 def check_vocab_size(vocab_size: int) -> None:
     """Reject sizes the shards cannot hold or that leave no room for merges."""
     if vocab_size > VOCAB_LIMIT:
-        raise UserError(f"--vocab-size {vocab_size} is too large: token shards are uint16, so at "
-                        f"most {VOCAB_LIMIT}; pick a smaller vocabulary")
+        raise UserError(
+            f"--vocab-size {vocab_size} is too large: token shards are uint16, so at "
+            f"most {VOCAB_LIMIT}; pick a smaller vocabulary"
+        )
     if vocab_size < MIN_VOCAB:
-        raise UserError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least "
-                        f"{MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+        raise UserError(
+            f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least "
+            f"{MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+        )
 
 
-def train_tokenizer(documents: Iterable[str], vocab_size: int, progress: bool = False,
-                    length: int | None = None) -> Tokenizer:
+def train_tokenizer(
+    documents: Iterable[str], vocab_size: int, progress: bool = False, length: int | None = None
+) -> Tokenizer:
     """Train a byte-level BPE on a stream of documents (`length`: their count, for progress)."""
     check_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=progress)
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
     tok.train_from_iterator(documents, trainer=trainer, length=length)
     return tok
 
@@ -62,14 +71,15 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a tokenizer.json, turning a missing or unreadable file into a one-line UserError."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"tokenizer not found: {path}; pass a tokenizer.json written by "
-                        "`gptrun prepare`")
+        raise UserError(f"tokenizer not found: {path}; pass a tokenizer.json written by `gptrun prepare`")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for any parse failure
         reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise UserError(f"{path} is not a valid tokenizer.json ({reason}); pass a tokenizer.json "
-                        "written by `gptrun prepare`") from None
+        raise UserError(
+            f"{path} is not a valid tokenizer.json ({reason}); pass a tokenizer.json "
+            "written by `gptrun prepare`"
+        ) from None
 
 
 def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
@@ -120,8 +130,7 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike) -> Path:
         "model_max_length": 1 << 30,
         "chat_template": CHAT_TEMPLATE,
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
-                                                   encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return path
 
 

@@ -41,8 +41,7 @@ from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at, param_groups
 from gptcore.tokenizer import load_tokenizer, token_byte_lengths
 
-SHAPE_KEYS = ("style", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_positions",
-              "vocab_size")
+SHAPE_KEYS = ("style", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_positions", "vocab_size")
 SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio", "decay_fraction")  # optim.*
 Report = Callable[[dict[str, float], dict[str, Any]], None]
 
@@ -103,19 +102,27 @@ def open_data(cfg: ExperimentConfig) -> TokenData:
     """The prepared data of `cfg`, checked against the model it will feed."""
     data = TokenData(cfg.data.dir)
     if data.vocab_size != cfg.model.vocab_size:
-        raise UserError(f"data folder {cfg.data.dir} has a {data.vocab_size}-token tokenizer but "
-                        f"model.vocab_size={cfg.model.vocab_size}; set --set model.vocab_size="
-                        f"{data.vocab_size} or re-prepare the data")
+        raise UserError(
+            f"data folder {cfg.data.dir} has a {data.vocab_size}-token tokenizer but "
+            f"model.vocab_size={cfg.model.vocab_size}; set --set model.vocab_size="
+            f"{data.vocab_size} or re-prepare the data"
+        )
     return data
 
 
 class Trainer:
     """One training run: model, optimizer, data, the step, evaluation, guards and state."""
 
-    def __init__(self, cfg: ExperimentConfig, *, rank: int = 0, world_size: int = 1,
-                 device: torch.device | None = None,
-                 wrap: Callable[[nn.Module], nn.Module] | None = None,
-                 log: Callable[[str], None] | None = print) -> None:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | None = None,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
+        log: Callable[[str], None] | None = print,
+    ) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.log = log if rank == 0 and log is not None else (lambda _msg: None)
         self.device = device or resolve_device(cfg.train.device)
@@ -129,17 +136,20 @@ class Trainer:
             self.step_model = torch.compile(self.step_model)
         if wrap is not None:
             self.step_model = wrap(self.step_model)
-        self.optimizer = AdamW(param_groups(self.model, cfg.optim.weight_decay,
-                                            cfg.optim.decay_embeddings),
-                               lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                               eps=cfg.optim.eps)
+        self.optimizer = AdamW(
+            param_groups(self.model, cfg.optim.weight_decay, cfg.optim.decay_embeddings),
+            lr=cfg.optim.lr,
+            betas=(cfg.optim.beta1, cfg.optim.beta2),
+            eps=cfg.optim.eps,
+        )
         budget = run_budget(cfg, world_size)
         self.tokens_per_step, self.total_steps = budget.tokens_per_step, budget.total_steps
         self.flops_per_token = self.model.flops_per_token(cfg.model.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(self.device)
         # UTF-8 bytes of each token id, for bits per byte on exactly the tokens evaluated.
-        self.token_bytes = torch.from_numpy(
-            token_byte_lengths(load_tokenizer(self.data.tokenizer_path))).to(self.device)
+        self.token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer(self.data.tokenizer_path))).to(
+            self.device
+        )
         # Progress: a resume restores all of it; a rollback only the weights, optimizer and step.
         self.step = 0  # optimizer steps taken: the schedule's position
         self.batch_index = 0  # batches consumed, including skipped ones: the data position
@@ -167,16 +177,25 @@ class Trainer:
         data_seconds = 0.0
         for micro in range(t.grad_accum):
             start = time.perf_counter()
-            x, y = self.data.train_batch(seed=t.seed, step=self.batch_index, micro=micro,
-                                         rank=self.rank, world_size=self.world_size,
-                                         batch_size=t.batch_size, grad_accum=t.grad_accum,
-                                         seq_len=self.cfg.model.seq_len)
+            x, y = self.data.train_batch(
+                seed=t.seed,
+                step=self.batch_index,
+                micro=micro,
+                rank=self.rank,
+                world_size=self.world_size,
+                batch_size=t.batch_size,
+                grad_accum=t.grad_accum,
+                seq_len=self.cfg.model.seq_len,
+            )
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             data_seconds += time.perf_counter() - start
             # DDP all-reduces gradients on the last micro-step only.
             last = micro == t.grad_accum - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.step_model, "no_sync") \
+            sync = (
+                contextlib.nullcontext()
+                if last or not hasattr(self.step_model, "no_sync")
                 else self.step_model.no_sync()
+            )
             with sync, autocast(self.device):
                 _, loss = self.step_model(x, y)
                 (loss / t.grad_accum).backward()
@@ -192,35 +211,51 @@ class Trainer:
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             self.optimizer.zero_grad(set_to_none=True)
             self._on_bad_step(loss_value)
-            return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "skipped": 1.0,
-                    "data_seconds": data_seconds}
+            return {
+                "loss": loss_value,
+                "grad_norm": norm_value,
+                "lr": lr,
+                "skipped": 1.0,
+                "data_seconds": data_seconds,
+            }
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.bad_streak = 0
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "skipped": 0.0,
-                "data_seconds": data_seconds}
+        return {
+            "loss": loss_value,
+            "grad_norm": norm_value,
+            "lr": lr,
+            "skipped": 0.0,
+            "data_seconds": data_seconds,
+        }
 
     def _on_bad_step(self, loss_value: float) -> None:
         """The recipe's guard: skip, then roll back and halve the lr, then give up."""
         self.bad_steps += 1
         self.bad_streak += 1
-        self.log(f"warning: non-finite loss ({loss_value}) at step {self.step}; batch skipped "
-                 f"({self.bad_streak} in a row)")
+        self.log(
+            f"warning: non-finite loss ({loss_value}) at step {self.step}; batch skipped "
+            f"({self.bad_streak} in a row)"
+        )
         if self.bad_streak < self.cfg.train.max_bad_steps:
             return
         if self.rollbacks >= self.cfg.train.max_rollbacks:
-            raise DivergedError(f"loss was non-finite for {self.bad_streak} steps in a row after "
-                                f"{self.rollbacks} rollbacks (lr scale {self.lr_scale:g}); "
-                                "lower optim.lr or raise optim.warmup")
+            raise DivergedError(
+                f"loss was non-finite for {self.bad_streak} steps in a row after "
+                f"{self.rollbacks} rollbacks (lr scale {self.lr_scale:g}); "
+                "lower optim.lr or raise optim.warmup"
+            )
         if self._snapshot is not None:  # data moves on: the bad batches stay skipped
             self._restore_weights(self._snapshot)
         self.rollbacks += 1
         self.lr_scale *= 0.5
         self.bad_streak = 0
-        self.log(f"warning: rolled back to step {self.step} with lr scale {self.lr_scale:g} "
-                 f"(rollback {self.rollbacks}/{self.cfg.train.max_rollbacks})")
+        self.log(
+            f"warning: rolled back to step {self.step} with lr scale {self.lr_scale:g} "
+            f"(rollback {self.rollbacks}/{self.cfg.train.max_rollbacks})"
+        )
 
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -229,10 +264,13 @@ class Trainer:
         bits per byte over the UTF-8 bytes of exactly the target tokens evaluated."""
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, tokens, bytes
-        for x, y in self.data.val_batches(seq_len=self.cfg.model.seq_len,
-                                          batch_size=self.cfg.train.batch_size,
-                                          eval_tokens=self.cfg.train.eval_tokens,
-                                          rank=self.rank, world_size=self.world_size):
+        for x, y in self.data.val_batches(
+            seq_len=self.cfg.model.seq_len,
+            batch_size=self.cfg.train.batch_size,
+            eval_tokens=self.cfg.train.eval_tokens,
+            rank=self.rank,
+            world_size=self.world_size,
+        ):
             x, y = x.to(self.device), y.to(self.device)
             with autocast(self.device):
                 _, loss = self.model(x, y)
@@ -243,8 +281,11 @@ class Trainer:
             dist.all_reduce(totals)
         nats, count, nbytes = totals.tolist()
         val_loss = nats / max(count, 1)
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
-                "val_bpb": nats / math.log(2) / max(nbytes, 1)}
+        return {
+            "val_loss": val_loss,
+            "val_ppl": math.exp(min(val_loss, 50.0)),
+            "val_bpb": nats / math.log(2) / max(nbytes, 1),
+        }
 
     # ---------------------------------------------------------------- the run
     def fit(self, on_report: Report | None = None, stop_at_step: int | None = None) -> dict:
@@ -255,10 +296,12 @@ class Trainer:
         t = self.cfg.train
         end = self.total_steps if stop_at_step is None else min(stop_at_step, self.total_steps)
         if self.step == 0:
-            self.log(f"model: {self.model.num_params() / 1e6:.2f}M parameters, "
-                     f"{self.flops_per_token / 1e6:.1f} MFLOP/token | {self.total_steps} steps x "
-                     f"{self.tokens_per_step} tokens | device {self.device} "
-                     f"(peak {self.peak_source})")
+            self.log(
+                f"model: {self.model.num_params() / 1e6:.2f}M parameters, "
+                f"{self.flops_per_token / 1e6:.1f} MFLOP/token | {self.total_steps} steps x "
+                f"{self.tokens_per_step} tokens | device {self.device} "
+                f"(peak {self.peak_source})"
+            )
         metrics: dict[str, float] = {}
         reported_step = -1
         window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
@@ -282,35 +325,53 @@ class Trainer:
             metrics = self._report({**metrics, **base}, on_report, checkpoint=True)
         return {**metrics, "status": "completed"}
 
-    def _throughput(self, step_metrics: dict[str, float], elapsed: float, steps: int,
-                    data_seconds: float) -> dict[str, float]:
+    def _throughput(
+        self, step_metrics: dict[str, float], elapsed: float, steps: int, data_seconds: float
+    ) -> dict[str, float]:
         tokens_per_sec = self.tokens_per_step * steps / max(elapsed, 1e-9)
         per_device = tokens_per_sec / self.world_size
         if data_seconds > 0.1 * elapsed:
-            self.log(f"warning: data loading took {100 * data_seconds / elapsed:.0f}% of step "
-                     "time; the loader is a bottleneck")
-        return {"step": float(self.step), "tokens": float(self.tokens_seen),
-                "loss": step_metrics["loss"], "lr": step_metrics["lr"],
-                "grad_norm": step_metrics["grad_norm"], "tokens_per_sec": tokens_per_sec,
-                "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
-                "eta_sec": (self.total_steps - self.step) * elapsed / max(steps, 1),
-                "bad_steps": float(self.bad_steps), "rollbacks": float(self.rollbacks)}
+            self.log(
+                f"warning: data loading took {100 * data_seconds / elapsed:.0f}% of step "
+                "time; the loader is a bottleneck"
+            )
+        return {
+            "step": float(self.step),
+            "tokens": float(self.tokens_seen),
+            "loss": step_metrics["loss"],
+            "lr": step_metrics["lr"],
+            "grad_norm": step_metrics["grad_norm"],
+            "tokens_per_sec": tokens_per_sec,
+            "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
+            "eta_sec": (self.total_steps - self.step) * elapsed / max(steps, 1),
+            "bad_steps": float(self.bad_steps),
+            "rollbacks": float(self.rollbacks),
+        }
 
     def _log_progress(self, m: dict[str, float]) -> None:
         mfu_text = f"{100 * m['mfu']:.1f}%" if self.peak_flops else "n/a"
-        self.log(f"step {self.step:>6}/{self.total_steps} | loss {m['loss']:.4f} | "
-                 f"lr {m['lr']:.2e} | grad norm {m['grad_norm']:.3f} | "
-                 f"{m['tokens_per_sec'] / 1e3:.1f}k tok/s | MFU {mfu_text} | "
-                 f"ETA {_format_seconds(m['eta_sec'])}")
+        self.log(
+            f"step {self.step:>6}/{self.total_steps} | loss {m['loss']:.4f} | "
+            f"lr {m['lr']:.2e} | grad norm {m['grad_norm']:.3f} | "
+            f"{m['tokens_per_sec'] / 1e3:.1f}k tok/s | MFU {mfu_text} | "
+            f"ETA {_format_seconds(m['eta_sec'])}"
+        )
 
-    def _report(self, metrics: dict[str, float], on_report: Report | None,
-                checkpoint: bool = False) -> dict[str, float]:
+    def _report(
+        self, metrics: dict[str, float], on_report: Report | None, checkpoint: bool = False
+    ) -> dict[str, float]:
         evaluation = self.evaluate()
         self.best_val_loss = min(self.best_val_loss, evaluation["val_loss"])
-        metrics = {**metrics, **evaluation, "best_val_loss": self.best_val_loss,
-                   "resumed_from": float(self.resumed_from)}
-        self.log(f"eval step {self.step} | val loss {evaluation['val_loss']:.4f} | "
-                 f"ppl {evaluation['val_ppl']:.2f} | bpb {evaluation['val_bpb']:.4f}")
+        metrics = {
+            **metrics,
+            **evaluation,
+            "best_val_loss": self.best_val_loss,
+            "resumed_from": float(self.resumed_from),
+        }
+        self.log(
+            f"eval step {self.step} | val loss {evaluation['val_loss']:.4f} | "
+            f"ppl {evaluation['val_ppl']:.2f} | bpb {evaluation['val_bpb']:.4f}"
+        )
         t = self.cfg.train
         every = t.checkpoint_interval or t.eval_interval
         state = None
@@ -327,32 +388,47 @@ class Trainer:
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return copy.deepcopy({
-            "model": {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()},
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
-            "step": self.step, "batch_index": self.batch_index, "tokens_seen": self.tokens_seen,
-            "lr_scale": self.lr_scale, "bad_steps": self.bad_steps, "rollbacks": self.rollbacks,
-            "best_val_loss": self.best_val_loss, "rng": rng,
-            "config": self.cfg.to_dict(), "tokenizer_sha256": self.data.tokenizer_sha256,
-            "metrics": dict(metrics or {}), "world_size": self.world_size,
-        })
+        return copy.deepcopy(
+            {
+                "model": {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()},
+                "optimizer": _to_cpu(self.optimizer.state_dict()),
+                "step": self.step,
+                "batch_index": self.batch_index,
+                "tokens_seen": self.tokens_seen,
+                "lr_scale": self.lr_scale,
+                "bad_steps": self.bad_steps,
+                "rollbacks": self.rollbacks,
+                "best_val_loss": self.best_val_loss,
+                "rng": rng,
+                "config": self.cfg.to_dict(),
+                "tokenizer_sha256": self.data.tokenizer_sha256,
+                "metrics": dict(metrics or {}),
+                "world_size": self.world_size,
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a checkpoint: weights, optimizer, progress and guard state. Refuses one
         from another model shape, tokenizer or lr schedule (see `_check_schedule`)."""
         saved = model_world_config(state["config"])
-        diff = [f"{k}: {getattr(saved.model, k)} vs {getattr(self.cfg.model, k)}"
-                for k in SHAPE_KEYS if getattr(saved.model, k) != getattr(self.cfg.model, k)]
+        diff = [
+            f"{k}: {getattr(saved.model, k)} vs {getattr(self.cfg.model, k)}"
+            for k in SHAPE_KEYS
+            if getattr(saved.model, k) != getattr(self.cfg.model, k)
+        ]
         if diff:
-            raise UserError(f"checkpoint is from another model shape ({'; '.join(diff)}); "
-                            "use a new train.out folder or the checkpoint's config")
+            raise UserError(
+                f"checkpoint is from another model shape ({'; '.join(diff)}); "
+                "use a new train.out folder or the checkpoint's config"
+            )
         if state["tokenizer_sha256"] != self.data.tokenizer_sha256:
-            raise UserError(f"checkpoint was trained with another tokenizer than the one in "
-                            f"{self.cfg.data.dir}; point data.dir at the original data folder")
+            raise UserError(
+                f"checkpoint was trained with another tokenizer than the one in "
+                f"{self.cfg.data.dir}; point data.dir at the original data folder"
+            )
         self._check_schedule(saved, state)
         self._restore_weights(state)
-        for key in ("batch_index", "tokens_seen", "lr_scale", "bad_steps", "rollbacks",
-                    "best_val_loss"):
+        for key in ("batch_index", "tokens_seen", "lr_scale", "bad_steps", "rollbacks", "best_val_loss"):
             setattr(self, key, state[key])
         self.resumed_from = self.step
         self._snapshot = state
@@ -361,22 +437,31 @@ class Trainer:
         """A resumed run keeps the lr schedule it started with: a changed optim schedule key is
         refused, and so is another run length unless `train.extend` asks for it (the schedule
         is then recomputed for the new length from the checkpoint's step on)."""
-        diff = [f"optim.{k}: {getattr(saved.optim, k)} vs {getattr(self.cfg.optim, k)}"
-                for k in SCHEDULE_KEYS if getattr(saved.optim, k) != getattr(self.cfg.optim, k)]
+        diff = [
+            f"optim.{k}: {getattr(saved.optim, k)} vs {getattr(self.cfg.optim, k)}"
+            for k in SCHEDULE_KEYS
+            if getattr(saved.optim, k) != getattr(self.cfg.optim, k)
+        ]
         if diff:
-            raise UserError(f"checkpoint was trained with another lr schedule ({'; '.join(diff)});"
-                            " use a new train.out folder or the checkpoint's values")
+            raise UserError(
+                f"checkpoint was trained with another lr schedule ({'; '.join(diff)});"
+                " use a new train.out folder or the checkpoint's values"
+            )
         steps = run_budget(saved, state["world_size"]).total_steps
         if steps == self.total_steps:
             return
         if not self.cfg.train.extend:
-            raise UserError(f"checkpoint is from a {steps}-step run but this config makes "
-                            f"{self.total_steps} steps, which would change the lr schedule "
-                            "mid-run; to change the run's length on purpose add --set "
-                            "train.extend=true, otherwise use a new train.out folder")
-        self.log(f"train.extend: the run's length goes from {steps} to {self.total_steps} steps; "
-                 f"the lr schedule is recomputed for {self.total_steps} steps from step "
-                 f"{state['step']}")
+            raise UserError(
+                f"checkpoint is from a {steps}-step run but this config makes "
+                f"{self.total_steps} steps, which would change the lr schedule "
+                "mid-run; to change the run's length on purpose add --set "
+                "train.extend=true, otherwise use a new train.out folder"
+            )
+        self.log(
+            f"train.extend: the run's length goes from {steps} to {self.total_steps} steps; "
+            f"the lr schedule is recomputed for {self.total_steps} steps from step "
+            f"{state['step']}"
+        )
 
     def _restore_weights(self, state: dict[str, Any]) -> None:
         """What a rollback restores: model, optimizer, step and RNG states, not the guard."""

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ("the king queen speaks to a fool and lord of night day sword crown love death "
-         "sweet good my thy thee doth hath shall not is was her his").split()
+WORDS = (
+    "the king queen speaks to a fool and lord of night day sword crown love death "
+    "sweet good my thy thee doth hath shall not is was her his"
+).split()
 
 
 def synthetic_documents(n_docs: int = 120, seed: int = 0) -> list[str]:
@@ -108,14 +110,18 @@ warmup = {{ uniform = [0.0, 0.3] }}
 """
 
 
-def write_sweep_config(tiny_data: Path, folder: Path, n: int, max_steps: int, sweep_keys: str = "",
-                       tail: str = "") -> Path:
+def write_sweep_config(
+    tiny_data: Path, folder: Path, n: int, max_steps: int, sweep_keys: str = "", tail: str = ""
+) -> Path:
     """`sweep_keys` go into [sweep]; `tail` (more tables) goes at the end."""
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "sweep.toml"
     grace = 4 * 32 * max_steps // 4  # a quarter of the trial, in tokens
-    text = tiny_config_text(tiny_data, folder / "run", max_steps=max_steps).replace(
-        "max_steps = 12\n", "").replace("warmup = 2\n", "warmup = 0.1\n")
+    text = (
+        tiny_config_text(tiny_data, folder / "run", max_steps=max_steps)
+        .replace("max_steps = 12\n", "")
+        .replace("warmup = 2\n", "warmup = 0.1\n")
+    )
     config.write_text(text + SWEEP.format(n=n, grace=grace, extra=sweep_keys) + tail)
     return config
 
@@ -127,11 +133,17 @@ def finished_sweep(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) ->
     Its output is kept in `sweep.log` beside the experiment folder."""
     folder = tmp_path_factory.mktemp("sweep")
     # One trial at a time: ASHA's decisions, and so the statuses, are the same on every run.
-    config = write_sweep_config(tiny_data, folder, n=6, max_steps=24,
-                                sweep_keys="confirm_top = 2\nconfirm_seeds = 2\nmax_concurrent = 1",
-                                tail=f'\n[tracking]\nmlflow_uri = "sqlite:///{folder}/mlflow.db"\n')
-    proc = run_cli("sweep", str(config), "--name", "finished", "--storage", str(folder / "sweeps"),
-                   timeout=900)
+    config = write_sweep_config(
+        tiny_data,
+        folder,
+        n=6,
+        max_steps=24,
+        sweep_keys="confirm_top = 2\nconfirm_seeds = 2\nmax_concurrent = 1",
+        tail=f'\n[tracking]\nmlflow_uri = "sqlite:///{folder}/mlflow.db"\n',
+    )
+    proc = run_cli(
+        "sweep", str(config), "--name", "finished", "--storage", str(folder / "sweeps"), timeout=900
+    )
     (folder / "sweep.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "best trial" in proc.stdout and "best.toml" in proc.stdout

@@ -60,12 +60,19 @@ def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {**env, "HOME": str(home), "GPTRUN_RESOURCE_WAIT_S": f"{WAIT_S:g}", **extra}
 
 
-def run_clean(args: list[str], env: dict[str, str], timeout: float = 120
-              ) -> tuple[subprocess.CompletedProcess, float]:
+def run_clean(
+    args: list[str], env: dict[str, str], timeout: float = 120
+) -> tuple[subprocess.CompletedProcess, float]:
     """`run_cli` with exactly `env` (run_cli merges os.environ in, which may hold a token)."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "experiments", *args], cwd=REPO, env={
-        **env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments", *args],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, time.monotonic() - start
 
 
@@ -77,8 +84,10 @@ def test_train_against_a_web_server_is_one_line_within_the_wait(tiny_data, tmp_p
     config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
     storage = tmp_path / "deep" / "storage"
     with web_server() as port:
-        proc, took = run_clean(["train", str(config), "--address", f"127.0.0.1:{port}",
-                                "--storage", str(storage)], clean_env(tmp_path))
+        proc, took = run_clean(
+            ["train", str(config), "--address", f"127.0.0.1:{port}", "--storage", str(storage)],
+            clean_env(tmp_path),
+        )
     assert_user_error(proc, f"127.0.0.1:{port}", "not a Ray head")
     assert took < WAIT_S, took
     assert not storage.exists() and not storage.parent.exists()
@@ -88,8 +97,10 @@ def test_sweep_against_nothing_is_one_line_and_creates_nothing(tiny_data, tmp_pa
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
     storage = tmp_path / "sweeps"
     port = free_port()
-    proc, took = run_clean(["sweep", str(config), "--address", f"127.0.0.1:{port}",
-                            "--storage", str(storage)], clean_env(tmp_path))
+    proc, took = run_clean(
+        ["sweep", str(config), "--address", f"127.0.0.1:{port}", "--storage", str(storage)],
+        clean_env(tmp_path),
+    )
     assert_user_error(proc, f"nothing answers at --address 127.0.0.1:{port}")
     assert took < WAIT_S, took
     assert not storage.exists()
@@ -99,8 +110,10 @@ def test_sweep_against_a_web_server_is_one_line(tiny_data, tmp_path):
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
     storage = tmp_path / "sweeps"
     with web_server() as port:
-        proc, took = run_clean(["sweep", str(config), "--address", f"127.0.0.1:{port}",
-                                "--storage", str(storage)], clean_env(tmp_path))
+        proc, took = run_clean(
+            ["sweep", str(config), "--address", f"127.0.0.1:{port}", "--storage", str(storage)],
+            clean_env(tmp_path),
+        )
     assert_user_error(proc, "not a Ray head")
     assert took < WAIT_S, took
     assert not storage.exists()
@@ -112,8 +125,10 @@ def test_probe_of_a_web_server_is_bounded(prefix):
     `ray.init` alone keeps retrying a non-Ray port; the probe answers in about a second."""
     with web_server() as port:
         start = time.monotonic()
-        with pytest.raises(UserError, match="not a Ray head"), \
-                cluster.ray_session(f"{prefix}127.0.0.1:{port}"):
+        with (
+            pytest.raises(UserError, match="not a Ray head"),
+            cluster.ray_session(f"{prefix}127.0.0.1:{port}"),
+        ):
             pytest.fail("the session must not start")
         assert time.monotonic() - start < 10
 
@@ -184,10 +199,20 @@ def load_local_module() -> Any:
 def local_sh(*args: str, state: Path, timeout: float = 180) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in NO_AUTH}
     # Node loss noticed in ~3 s instead of ~15-30 s (GCS health checks every 1 s, 3 misses).
-    env.update(GPTRUN_PYTHON=sys.executable, RAY_health_check_period_ms="1000",
-               RAY_health_check_failure_threshold="3", RAY_health_check_initial_delay_ms="1000")
-    return subprocess.run([str(LOCAL_SH), *args, "--dir", str(state)], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=REPO)
+    env.update(
+        GPTRUN_PYTHON=sys.executable,
+        RAY_health_check_period_ms="1000",
+        RAY_health_check_failure_threshold="3",
+        RAY_health_check_initial_delay_ms="1000",
+    )
+    return subprocess.run(
+        [str(LOCAL_SH), *args, "--dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
 
 
 class LocalCluster:
@@ -207,8 +232,9 @@ class LocalCluster:
         return next(n for n in self.state["nodes"] if n["name"] == name)
 
     def client_env(self, tmp_path: Path, **extra: str) -> dict[str, str]:
-        return clean_env(tmp_path, RAY_AUTH_MODE="token",
-                         RAY_AUTH_TOKEN_PATH=self.state["token_path"], **extra)
+        return clean_env(
+            tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.state["token_path"], **extra
+        )
 
     def pids(self, nodes: list[dict[str, Any]] | None = None) -> list[int]:
         return [p for n in (nodes or self.state["nodes"]) for p in self.local.session_pids(n)]
@@ -253,12 +279,15 @@ def tune_statuses(exp_dir: Path) -> dict[str, str]:
     return {t.trial_id: t.status for t in ExperimentAnalysis(str(exp_dir)).trials}
 
 
-def sweep_args(config: Path, name: str, storage: Path, address: str, *sets: str, cpus: int = 1
-               ) -> list[str]:
+def sweep_args(config: Path, name: str, storage: Path, address: str, *sets: str, cpus: int = 1) -> list[str]:
     # `cpus`-CPU trials, a checkpoint every 8 steps (the Tune reports carry them).
     args = ["sweep", str(config), "--name", name, "--storage", str(storage), "--address", address]
-    for item in (f"resources.cpus_per_worker={cpus}", "train.eval_interval=8",
-                 "train.checkpoint_interval=8", *sets):
+    for item in (
+        f"resources.cpus_per_worker={cpus}",
+        "train.eval_interval=8",
+        "train.checkpoint_interval=8",
+        *sets,
+    ):
         args += ["--set", item]
     return args
 
@@ -276,10 +305,15 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
 
 def start_sweep(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     handle = open(log, "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, "-m", "experiments", *args], cwd=REPO,
-                            env={**env, "PYTHONPATH": str(REPO)}, stdout=handle,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
+    return subprocess.Popen(
+        [sys.executable, "-m", "experiments", *args],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.slow
@@ -288,11 +322,15 @@ def start_sweep(args: list[str], env: dict[str, str], log: Path) -> subprocess.P
 def test_client_without_the_token_is_refused(two_nodes, tiny_data, tmp_path, token):
     config = tmp_path / "exp.toml"
     config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
-    env = clean_env(tmp_path) if token == "none" else clean_env(
-        tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)
+    env = (
+        clean_env(tmp_path)
+        if token == "none"
+        else clean_env(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)
+    )
     storage = tmp_path / "storage"
-    proc, took = run_clean(["train", str(config), "--address", two_nodes.address,
-                            "--storage", str(storage)], env)
+    proc, took = run_clean(
+        ["train", str(config), "--address", two_nodes.address, "--storage", str(storage)], env
+    )
     assert_user_error(proc, f"the Ray cluster at {two_nodes.address} refused this client")
     assert took < WAIT_S and not storage.exists()
 
@@ -313,8 +351,11 @@ def test_sweep_runs_trials_on_both_nodes(two_nodes, tiny_data, tmp_path):
     """Trials of 2 CPUs on 2-CPU nodes: the two that run at once cannot share a node."""
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=48)
     storage = tmp_path / "sweeps"
-    proc, _ = run_clean(sweep_args(config, "both", storage, two_nodes.address, cpus=2),
-                        two_nodes.client_env(tmp_path), timeout=300)
+    proc, _ = run_clean(
+        sweep_args(config, "both", storage, two_nodes.address, cpus=2),
+        two_nodes.client_env(tmp_path),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "4 trials, 2 at a time" in proc.stdout, proc.stdout[:2000]
     trials = exp_trials(storage / "both")
@@ -335,18 +376,31 @@ def test_lost_worker_node_trials_resume_from_their_checkpoints(two_nodes, tiny_d
     no_cut = f"sweep.grace_tokens={steps * 4 * 32}"  # ASHA's first rung at the end: all run long
 
     def checkpointed_on_worker() -> bool:
-        return any(r.get("node_id") == worker and r.get("step", 0) >= 16
-                   for rows in exp_trials(exp).values() for r in rows) if exp.exists() else False
+        return (
+            any(
+                r.get("node_id") == worker and r.get("step", 0) >= 16
+                for rows in exp_trials(exp).values()
+                for r in rows
+            )
+            if exp.exists()
+            else False
+        )
 
-    proc = start_sweep(sweep_args(config, "lost", storage, two_nodes.address, no_cut),
-                       two_nodes.client_env(tmp_path), tmp_path / "sweep.log")
+    proc = start_sweep(
+        sweep_args(config, "lost", storage, two_nodes.address, no_cut),
+        two_nodes.client_env(tmp_path),
+        tmp_path / "sweep.log",
+    )
     try:
         wait_for(checkpointed_on_worker, 150, "a checkpointed report from worker1", proc)
         killed = local_sh("kill-node", "worker1", state=two_nodes.dir)
         assert killed.returncode == 0, killed.stderr
         # The trials the dead node was running: their last report came from it, before the end.
-        on_worker = {tid for tid, rows in exp_trials(exp).items()
-                     if rows[-1].get("node_id") == worker and rows[-1].get("step", 0) < steps}
+        on_worker = {
+            tid
+            for tid, rows in exp_trials(exp).items()
+            if rows[-1].get("node_id") == worker and rows[-1].get("step", 0) < steps
+        }
         assert proc.wait(timeout=240) == 0, (tmp_path / "sweep.log").read_text()[-4000:]
     finally:
         if proc.poll() is None:
@@ -361,7 +415,7 @@ def test_lost_worker_node_trials_resume_from_their_checkpoints(two_nodes, tiny_d
     for tid in on_worker:
         rows = [r for r in trials[tid] if "step" in r]
         lost = max(i for i, r in enumerate(rows) if r["node_id"] == worker)
-        before, after = rows[:lost + 1], rows[lost + 1:]
+        before, after = rows[: lost + 1], rows[lost + 1 :]
         assert after and after[-1]["step"] == steps, (tid, rows[-1])
         assert after[-1]["node_id"] != worker  # finished elsewhere (the worker node was dead)
         # Continued from its last committed checkpoint: not step 0, and only the reports after
@@ -382,13 +436,21 @@ def test_killed_driver_is_resumed_on_the_cluster(two_nodes, tiny_data, tmp_path)
     storage = tmp_path / "sweeps"
     exp = storage / "driver"
     env = two_nodes.client_env(tmp_path)
-    proc = start_sweep(sweep_args(config, "driver", storage, two_nodes.address,
-                                  f"sweep.grace_tokens={steps * 4 * 32}"), env,
-                       tmp_path / "sweep.log")
+    proc = start_sweep(
+        sweep_args(config, "driver", storage, two_nodes.address, f"sweep.grace_tokens={steps * 4 * 32}"),
+        env,
+        tmp_path / "sweep.log",
+    )
     try:
-        wait_for(lambda: exp.exists() and any(
-            r.get("step", 0) >= 16 for rows in exp_trials(exp).values() for r in rows),
-            150, "a checkpointed report", proc)
+        wait_for(
+            lambda: (
+                exp.exists()
+                and any(r.get("step", 0) >= 16 for rows in exp_trials(exp).values() for r in rows)
+            ),
+            150,
+            "a checkpointed report",
+            proc,
+        )
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver (and only it: it is its own session)
         proc.wait()
@@ -398,7 +460,8 @@ def test_killed_driver_is_resumed_on_the_cluster(two_nodes, tiny_data, tmp_path)
     assert len(statuses) == 3 and set(statuses.values()) == {"TERMINATED"}, statuses
     trials = exp_trials(exp)
     assert all(rows[-1]["step"] == steps for rows in trials.values()), {
-        t: rows[-1].get("step") for t, rows in trials.items()}
+        t: rows[-1].get("step") for t, rows in trials.items()
+    }
 
 
 @pytest.mark.slow

@@ -130,11 +130,12 @@ def test_launcher_ray_start_uses_the_token_and_a_local_dashboard(launcher):
     mounts = {home(remote): local for remote, local in cfg["file_mounts"].items()}
     token = paths.pop()
     assert token in mounts, (token, list(mounts))
-    assert any(c.strip() == f"chmod 600 {token}" or c.strip() == f"chmod 600 {token.replace('~', '$HOME')}"
-               for c in cfg["setup_commands"]), cfg["setup_commands"]
+    assert any(
+        c.strip() == f"chmod 600 {token}" or c.strip() == f"chmod 600 {token.replace('~', '$HOME')}"
+        for c in cfg["setup_commands"]
+    ), cfg["setup_commands"]
     # The shells users get (ray attach, job entrypoints) have the same token settings.
-    assert any("RAY_AUTH_MODE=token" in c and "RAY_AUTH_TOKEN_PATH" in c
-               for c in cfg["setup_commands"])
+    assert any("RAY_AUTH_MODE=token" in c and "RAY_AUTH_TOKEN_PATH" in c for c in cfg["setup_commands"])
 
 
 def test_launcher_installs_gptrun_from_the_synced_repository(launcher):
@@ -170,11 +171,17 @@ def containers(pod_template: dict[str, Any]) -> list[dict[str, Any]]:
 def pvc_mounts(group: dict[str, Any]) -> dict[str, str]:
     """claimName -> mountPath for every PVC volume mounted in the group's Ray container."""
     spec = group["template"]["spec"]
-    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes", [])
-              if "persistentVolumeClaim" in v}
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in spec.get("volumes", [])
+        if "persistentVolumeClaim" in v
+    }
     ray_container = spec["containers"][0]
-    return {claims[m["name"]]: m["mountPath"] for m in ray_container.get("volumeMounts", [])
-            if m["name"] in claims}
+    return {
+        claims[m["name"]]: m["mountPath"]
+        for m in ray_container.get("volumeMounts", [])
+        if m["name"] in claims
+    }
 
 
 def check_ray_cluster_spec(spec: dict[str, Any]) -> tuple[str, str]:
@@ -219,8 +226,7 @@ def test_rayjob_runs_a_sweep_on_the_shared_volume():
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     spec = job["spec"]
     claim, mount = check_ray_cluster_spec(spec["rayClusterSpec"])
-    pvc = next(d for d in load_all(KUBERAY / "raycluster.yaml")
-               if d["kind"] == "PersistentVolumeClaim")
+    pvc = next(d for d in load_all(KUBERAY / "raycluster.yaml") if d["kind"] == "PersistentVolumeClaim")
     assert claim == pvc["metadata"]["name"]  # the volume the RayCluster file creates
     args = shlex.split(spec["entrypoint"])
     assert args[:2] == ["gptrun", "sweep"], args
@@ -243,8 +249,7 @@ def test_shell_scripts_parse(script):
 
 
 def test_local_sh_help_needs_no_ray():
-    proc = subprocess.run([str(CLUSTER / "local.sh"), "--help"], capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run([str(CLUSTER / "local.sh"), "--help"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0
     for command in ("up", "status", "down", "kill-node", "env"):
         assert f"cluster/local.sh {command}" in proc.stderr, proc.stderr
@@ -253,8 +258,9 @@ def test_local_sh_help_needs_no_ray():
 def test_slurm_sh_directives():
     text = (CLUSTER / "slurm.sh").read_text()
     lines = text.splitlines()
-    first_command = next(i for i, line in enumerate(lines)
-                         if line.strip() and not line.lstrip().startswith("#"))
+    first_command = next(
+        i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")
+    )
     directives = [(i, line) for i, line in enumerate(lines) if line.startswith("#SBATCH")]
     options = {line.split()[1].split("=")[0] for _, line in directives}
     assert {"--nodes", "--gpus-per-node", "--cpus-per-task", "--time", "--exclusive"} <= options
@@ -313,13 +319,26 @@ def run_slurm_sh(tmp_path: Path, job_id: str) -> tuple[subprocess.CompletedProce
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SLURM_"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="node[1-3]",
-               SLURM_CPUS_PER_TASK="16", SLURM_GPUS_PER_NODE="h100:4", SHARED=str(shared),
-               VENV=str(venv), NAME="demo", CONFIG="exp.toml", RAY_PORT=str(port), WAIT_S="20",
-               FAKE_LOG=str(log), FAKE_PORT=str(port), REAL_PYTHON=sys.executable,
-               RAY_AUTH_TOKEN="a-stray-token")
-    proc = subprocess.run(["bash", str(CLUSTER / "slurm.sh")], env=env, capture_output=True,
-                          text=True, timeout=60, cwd=tmp_path)
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        SLURM_JOB_ID=job_id,
+        SLURM_JOB_NODELIST="node[1-3]",
+        SLURM_CPUS_PER_TASK="16",
+        SLURM_GPUS_PER_NODE="h100:4",
+        SHARED=str(shared),
+        VENV=str(venv),
+        NAME="demo",
+        CONFIG="exp.toml",
+        RAY_PORT=str(port),
+        WAIT_S="20",
+        FAKE_LOG=str(log),
+        FAKE_PORT=str(port),
+        REAL_PYTHON=sys.executable,
+        RAY_AUTH_TOKEN="a-stray-token",
+    )
+    proc = subprocess.run(
+        ["bash", str(CLUSTER / "slurm.sh")], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     return proc, log.read_text() if log.exists() else "", shared
 
 

@@ -26,11 +26,15 @@ def _row(tid: str, losses: list[float], mean: float, std: float) -> dict[str, An
     return {"trial_id": tid, "losses": losses, "mean": mean, "std": std}
 
 
-SWEEP = [_trial("a", "completed", 5.0, **{"optim.lr": 1e-3}),
-         _trial("b", "completed", 5.4, **{"optim.lr": 2e-3}),
-         _trial("c", "completed", 5.6), _trial("d", "completed", 6.0),
-         _trial("e", "stopped early", 7.0), _trial("f", "cut by budget", 6.5),
-         _trial("g", "diverged", math.nan)]
+SWEEP = [
+    _trial("a", "completed", 5.0, **{"optim.lr": 1e-3}),
+    _trial("b", "completed", 5.4, **{"optim.lr": 2e-3}),
+    _trial("c", "completed", 5.6),
+    _trial("d", "completed", 6.0),
+    _trial("e", "stopped early", 7.0),
+    _trial("f", "cut by budget", 6.5),
+    _trial("g", "diverged", math.nan),
+]
 
 
 def _rerun(candidate: str, seed: int, loss: float, status: str = "completed") -> dict[str, Any]:
@@ -43,8 +47,14 @@ def test_noise_figures_by_hand() -> None:
     sweep's completed trials 5.0, 5.4, 5.6, 6.0 (stopped early, cut by budget and diverged left
     out): variance 0.52 / 3, so the noise fraction is 0.16 / 0.52 = 4 / 13. (Pooling without the
     weights would give 0.045; the variance of all re-runs 0.088, a fraction of 0.606.)"""
-    reruns = [_rerun("a", 1, 5.0), _rerun("a", 2, 5.2), _rerun("a", 3, math.nan, "error"),
-              _rerun("b", 3, 5.8), _rerun("b", 1, 5.3), _rerun("b", 2, 5.4)]
+    reruns = [
+        _rerun("a", 1, 5.0),
+        _rerun("a", 2, 5.2),
+        _rerun("a", 3, math.nan, "error"),
+        _rerun("b", 3, 5.8),
+        _rerun("b", 1, 5.3),
+        _rerun("b", 2, 5.4),
+    ]
     noise = measure_noise(SWEEP, reruns, {"candidates": ["b", "a"], "seeds": [1, 2, 3]})
 
     a, b = noise["candidates"]  # best mean first
@@ -58,11 +68,18 @@ def test_noise_figures_by_hand() -> None:
     assert noise["sweep_completed"] == 4
     assert noise["noise_fraction"] == pytest.approx(0.3076923077)  # 4 / 13
     # Welch: t = 0.4 / sqrt(0.02/2 + 0.07/3) = 2.191 on 2.985 degrees of freedom
-    assert noise["comparison"] == {"best": "a", "runner_up": "b", "difference": pytest.approx(0.4),
-                                   "p_value": pytest.approx(0.1166053974), "separated": False}
-    assert noise_line(noise) == ("seed noise: std 0.2309 nats (pooled over the re-runs), 31% of the "
-                                 "variance between the sweep's 4 completed trials (std 0.4163): "
-                                 "near 100% their differences are mostly noise")
+    assert noise["comparison"] == {
+        "best": "a",
+        "runner_up": "b",
+        "difference": pytest.approx(0.4),
+        "p_value": pytest.approx(0.1166053974),
+        "separated": False,
+    }
+    assert noise_line(noise) == (
+        "seed noise: std 0.2309 nats (pooled over the re-runs), 31% of the "
+        "variance between the sweep's 4 completed trials (std 0.4163): "
+        "near 100% their differences are mostly noise"
+    )
 
 
 def test_compare_uses_welch_not_student() -> None:
@@ -75,8 +92,13 @@ def test_compare_uses_welch_not_student() -> None:
     student = ttest_ind(tight, wide, equal_var=True).pvalue
     assert student < 0.05 and abs(student - 0.1896063598) > 0.1  # the case tells the two apart
     cmp = compare([_row("t", tight, 1.00125, 0.0124642345), _row("w", wide, 1.25, 0.2943920288)])
-    assert cmp == {"best": "t", "runner_up": "w", "difference": pytest.approx(0.24875),
-                   "p_value": pytest.approx(0.1896063598), "separated": False}
+    assert cmp == {
+        "best": "t",
+        "runner_up": "w",
+        "difference": pytest.approx(0.24875),
+        "p_value": pytest.approx(0.1896063598),
+        "separated": False,
+    }
 
 
 def test_compare_identical_runs_and_verdicts() -> None:
@@ -88,11 +110,14 @@ def test_compare_identical_runs_and_verdicts() -> None:
 
     assert verdict({"alpha": 0.05, "comparison": apart}) == (
         "best x vs runner-up y: 0.2000 nats apart, Welch p = 0 < 0.05: the best is separated from "
-        "the runner-up")
+        "the runner-up"
+    )
     assert verdict({"alpha": 0.05, "comparison": tie}).endswith(
-        "Welch p = 1 >= 0.05: the difference is within seed noise")
+        "Welch p = 1 >= 0.05: the difference is within seed noise"
+    )
     assert verdict({"alpha": 0.05, "comparison": None}) == (
-        "fewer than two configs were re-run, so the winner was not compared")
+        "fewer than two configs were re-run, so the winner was not compared"
+    )
 
 
 def test_noise_without_a_sweep_spread_or_enough_reruns() -> None:
@@ -103,15 +128,22 @@ def test_noise_without_a_sweep_spread_or_enough_reruns() -> None:
     noise = measure_noise(sweep, reruns, {"candidates": ["a", "b"], "seeds": [1, 2]})
     assert noise["sweep_completed"] == 1 and math.isnan(noise["noise_fraction"])
     assert noise["comparison"] is None  # b has one run: nothing to test against
-    assert noise_line(noise) == ("seed noise: std 0.1414 nats (pooled over the re-runs); not "
-                                 "compared with the sweep: its 1 completed trial(s) show no spread")
+    assert noise_line(noise) == (
+        "seed noise: std 0.1414 nats (pooled over the re-runs); not "
+        "compared with the sweep: its 1 completed trial(s) show no spread"
+    )
     lonely = measure_noise(sweep, reruns[2:], {"candidates": ["b"], "seeds": [1, 2]})
     assert noise_line(lonely) == "seed noise: not measured (no config has two completed re-runs)"
 
 
 def test_print_noise_table(capsys: pytest.CaptureFixture[str]) -> None:
-    reruns = [_rerun("a", 1, 5.0), _rerun("a", 2, 5.2), _rerun("b", 1, 5.3), _rerun("b", 2, 5.4),
-              _rerun("b", 3, 5.8)]
+    reruns = [
+        _rerun("a", 1, 5.0),
+        _rerun("a", 2, 5.2),
+        _rerun("b", 1, 5.3),
+        _rerun("b", 2, 5.4),
+        _rerun("b", 3, 5.8),
+    ]
     print_noise(measure_noise(SWEEP, reruns, {"candidates": ["a", "b"], "seeds": [1, 2, 3]}))
     assert capsys.readouterr().out.splitlines() == [
         "#  trial     lr  sweep loss    mean     std  runs",
@@ -120,7 +152,8 @@ def test_print_noise_table(capsys: pytest.CaptureFixture[str]) -> None:
         "best a vs runner-up b: 0.4000 nats apart, Welch p = 0.117 >= 0.05: the difference is within "
         "seed noise",
         "seed noise: std 0.2309 nats (pooled over the re-runs), 31% of the variance between the "
-        "sweep's 4 completed trials (std 0.4163): near 100% their differences are mostly noise"]
+        "sweep's 4 completed trials (std 0.4163): near 100% their differences are mostly noise",
+    ]
 
 
 def _confirm_trial_dirs(exp_dir: Path) -> list[Path]:
@@ -158,8 +191,7 @@ def test_confirm_command_resumes_the_same_plan_and_refuses_another(finished_swee
     assert "(resuming)" in proc.stdout and "Welch p =" in proc.stdout
     assert _confirm_trial_dirs(finished_sweep) == before  # finished runs are not run again
 
-    assert_user_error(run_cli("confirm", str(finished_sweep), "--top", "1", "--seeds", "3"),
-                      "--restart")
+    assert_user_error(run_cli("confirm", str(finished_sweep), "--top", "1", "--seeds", "3"), "--restart")
     assert_user_error(run_cli("confirm", str(finished_sweep), "--seeds", "1"), "--seeds >= 2")
     assert_user_error(run_cli("confirm", str(finished_sweep / "runs")), "not a gptrun sweep")
 

@@ -28,9 +28,17 @@ def write_data(root: Path, train: list[np.ndarray], val: list[np.ndarray]) -> Pa
             np.save(root / names[-1], shard.astype(np.uint16))
         tokens = sum(len(s) for s in shards)
         splits[split] = {"tokens": tokens, "bytes": 3 * tokens, "documents": 1, "shards": names}
-    meta = {"format_version": 1, "tokenizer_sha256": "ab" * 32, "vocab_size": 65535,
-            "eot_id": 0, "splits": splits, "bytes_per_token": 3.0, "sources": [],
-            "options": {}, "fingerprint": "x"}
+    meta = {
+        "format_version": 1,
+        "tokenizer_sha256": "ab" * 32,
+        "vocab_size": 65535,
+        "eot_id": 0,
+        "splits": splits,
+        "bytes_per_token": 3.0,
+        "sources": [],
+        "options": {},
+        "fingerprint": "x",
+    }
     (root / "meta.json").write_text(json.dumps(meta))
     return root
 
@@ -45,8 +53,17 @@ def data(tmp_path: Path) -> TokenData:
 
 
 def batch(data: TokenData, **kw: int) -> tuple[torch.Tensor, torch.Tensor]:
-    args = {"seed": 0, "step": 0, "micro": 0, "rank": 0, "world_size": 1, "batch_size": 4,
-            "grad_accum": 1, "seq_len": SEQ, **kw}
+    args = {
+        "seed": 0,
+        "step": 0,
+        "micro": 0,
+        "rank": 0,
+        "world_size": 1,
+        "batch_size": 4,
+        "grad_accum": 1,
+        "seq_len": SEQ,
+        **kw,
+    }
     return data.train_batch(**args)
 
 
@@ -54,21 +71,23 @@ def test_meta_fields(data: TokenData) -> None:
     assert data.vocab_size == 65535 and data.eot_id == 0 and data.tokenizer_sha256 == "ab" * 32
 
 
-def test_format_constants_and_cache_dir_have_one_definition(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_format_constants_and_cache_dir_have_one_definition(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from gptcore import config, corpora, mfu, prepare, tokenizer
 
     assert data_module.VOCAB_LIMIT == 65536  # uint16 holds ids 0..65535
-    assert prepare.VOCAB_LIMIT is tokenizer.VOCAB_LIMIT is config.VOCAB_LIMIT is \
-        data_module.VOCAB_LIMIT
+    assert prepare.VOCAB_LIMIT is tokenizer.VOCAB_LIMIT is config.VOCAB_LIMIT is data_module.VOCAB_LIMIT
     assert prepare.FORMAT_VERSION is data_module.FORMAT_VERSION
     assert corpora.cache_dir is mfu.cache_dir is data_module.cache_dir
     monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
     assert data_module.cache_dir() == tmp_path
     tokenizer.check_vocab_size(65536)  # the largest vocabulary uint16 shards hold
     config.ModelConfig(vocab_size=65536).validate()
-    for too_large in (lambda: tokenizer.check_vocab_size(65537),
-                      lambda: config.ModelConfig(vocab_size=65537).validate()):
+    for too_large in (
+        lambda: tokenizer.check_vocab_size(65537),
+        lambda: config.ModelConfig(vocab_size=65537).validate(),
+    ):
         with pytest.raises(UserError, match="65536"):
             too_large()
 
@@ -104,8 +123,11 @@ def test_ddp_and_grad_accum_slice_one_global_draw(data: TokenData) -> None:
         r0, _ = batch(data, step=step, batch_size=4, rank=0, world_size=2)
         r1, _ = batch(data, step=step, batch_size=4, rank=1, world_size=2)
         assert torch.equal(torch.cat([r0, r1]), full)
-        micro = [batch(data, step=step, batch_size=2, grad_accum=2, world_size=2, micro=m,
-                       rank=r)[0] for m in range(2) for r in range(2)]
+        micro = [
+            batch(data, step=step, batch_size=2, grad_accum=2, world_size=2, micro=m, rank=r)[0]
+            for m in range(2)
+            for r in range(2)
+        ]
         assert torch.equal(torch.cat(micro), full)
 
 
@@ -120,13 +142,20 @@ def test_val_windows_are_fixed_and_split_across_ranks(data: TokenData) -> None:
     assert [len(x) for x in one] == [3, 3, 2]
     xs = torch.cat(one)
     for i in range(n):  # consecutive windows, crossing the shard boundary where they must
-        assert xs[i].tolist() == concat[i * SEQ:(i + 1) * SEQ].tolist()
-    ys = torch.cat([y for _, y in data.val_batches(seq_len=SEQ, batch_size=3,
-                                                   eval_tokens=10**9)])
+        assert xs[i].tolist() == concat[i * SEQ : (i + 1) * SEQ].tolist()
+    ys = torch.cat([y for _, y in data.val_batches(seq_len=SEQ, batch_size=3, eval_tokens=10**9)])
     assert torch.equal(xs[:, 1:], ys[:, :-1])
-    per_rank = [torch.cat([x for x, _ in data.val_batches(seq_len=SEQ, batch_size=2,
-                                                          eval_tokens=10**9, rank=r,
-                                                          world_size=3)]) for r in range(3)]
+    per_rank = [
+        torch.cat(
+            [
+                x
+                for x, _ in data.val_batches(
+                    seq_len=SEQ, batch_size=2, eval_tokens=10**9, rank=r, world_size=3
+                )
+            ]
+        )
+        for r in range(3)
+    ]
     for r, got in enumerate(per_rank):
         assert torch.equal(got, xs[r::3])  # window i on rank i % world_size, each exactly once
     assert sum(len(g) for g in per_rank) == n

@@ -18,8 +18,15 @@ V = 97
 
 
 def tiny(style: str, **kw) -> ModelConfig:
-    base = dict(style=style, n_layer=2, n_head=4, n_kv_head=2 if style == "llama" else 4,
-                d_model=32, seq_len=16, vocab_size=V)
+    base = dict(
+        style=style,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2 if style == "llama" else 4,
+        d_model=32,
+        seq_len=16,
+        vocab_size=V,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -41,10 +48,15 @@ def tokens(shape: tuple[int, int], seed: int = 1) -> torch.Tensor:
 
 # ---------------------------------------------------------------- Hugging Face parity
 
-@pytest.mark.parametrize("cfg", [
-    tiny("gpt2", d_ff=48),
-    tiny("llama", n_head=4, n_kv_head=2, rope_theta=500.0, norm_eps=1e-6, d_ff=80),
-], ids=["gpt2", "llama-gqa"])
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        tiny("gpt2", d_ff=48),
+        tiny("llama", n_head=4, n_kv_head=2, rope_theta=500.0, norm_eps=1e-6, d_ff=80),
+    ],
+    ids=["gpt2", "llama-gqa"],
+)
 def test_logits_match_hugging_face(cfg: ModelConfig) -> None:
     pytest.importorskip("transformers")
     from gptcore.hf import build_hf_model
@@ -75,6 +87,7 @@ def test_gpt2_export_refuses_grouped_query_attention() -> None:
 
 
 # ---------------------------------------------------------------- attention
+
 
 def test_grouped_query_attention_equals_mha_with_shared_kv_heads() -> None:
     """n_kv_head=2 of 4 heads == plain MHA whose key/value heads are copies, query heads 0,1
@@ -107,6 +120,7 @@ def test_future_tokens_do_not_change_earlier_logits(style: str) -> None:
 
 # ---------------------------------------------------------------- loss
 
+
 def test_loss_is_cross_entropy_over_all_positions_and_mask_selects() -> None:
     model = build(tiny("llama"), jitter=0.05)
     idx, targets = tokens((3, 16), seed=1), tokens((3, 16), seed=2)
@@ -131,6 +145,7 @@ def test_no_targets_no_loss() -> None:
 
 
 # ---------------------------------------------------------------- parameters and init
+
 
 def test_param_count_tied_weights_and_formula() -> None:
     cfg = tiny("gpt2", d_ff=48)
@@ -167,6 +182,7 @@ def test_init_is_gpt2_style() -> None:
 
 
 # ---------------------------------------------------------------- KV cache and generation
+
 
 def sharp(style: str, **kw) -> GPT:
     """Large random weights: logits with clear winners (top-2 gaps > 1e-3, rounding is ~1e-6), so
@@ -235,10 +251,11 @@ def test_generation_stops_at_eos() -> None:
     eos = int(greedy[0, 6])
     first = (greedy[0, 4:] == eos).nonzero()[0].item() + 4
     stopped = model.generate(prompt, 8, temperature=0.0, stop_token=eos)
-    assert torch.equal(stopped, greedy[:, :first + 1])
+    assert torch.equal(stopped, greedy[:, : first + 1])
 
 
 # ---------------------------------------------------------------- FLOPs and MFU
+
 
 def test_flops_per_token_counted_by_hand() -> None:
     """tiny llama: d 32, 2 layers, 4 query heads of 8 and 2 KV heads, d_ff 128, vocab 97, T 16."""
@@ -251,8 +268,9 @@ def test_flops_per_token_counted_by_hand() -> None:
     assert model.flops_per_token(4) == 6 * 33984 + 3072
 
 
-@pytest.mark.parametrize("style, extra_params", [("llama", 5 * 32),
-                                                 ("gpt2", 5 * 64 + 2 * (96 + 32 + 128 + 32))])
+@pytest.mark.parametrize(
+    "style, extra_params", [("llama", 5 * 32), ("gpt2", 5 * 64 + 2 * (96 + 32 + 128 + 32))]
+)
 def test_flops_per_token_matches_torchs_flop_counter(style: str, extra_params: int) -> None:
     """torch counts the matmuls of a real forward + backward; the formula adds, by hand, the
     attention term (12288 FLOPs/token here) and 6 per norm gain or bias (norms: 5 x 32 RMSNorm
@@ -272,9 +290,16 @@ def test_flops_per_token_matches_torchs_flop_counter(style: str, extra_params: i
 
 
 def test_gpu_peak_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
-    cases = {"NVIDIA H100 PCIe": 756e12, "NVIDIA H100 80GB HBM3": 989e12,
-             "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A10G": 125e12, "NVIDIA L4": 121e12,
-             "NVIDIA L40S": 362e12, "Tesla T4": 65e12, "NVIDIA GeForce RTX 4090": 165e12}
+    cases = {
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA H100 80GB HBM3": 989e12,
+        "NVIDIA A100-SXM4-80GB": 312e12,
+        "NVIDIA A10G": 125e12,
+        "NVIDIA L4": 121e12,
+        "NVIDIA L40S": 362e12,
+        "Tesla T4": 65e12,
+        "NVIDIA GeForce RTX 4090": 165e12,
+    }
     for name, peak in cases.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d, n=name: n)
         assert mfu_mod.device_peak_flops(torch.device("cuda"))[0] == peak, name
@@ -303,9 +328,17 @@ def test_matmul_rate_is_the_fastest_timed_run(monkeypatch: pytest.MonkeyPatch) -
     2 x 64^3 = 524,288 FLOPs in 2 ms."""
     from types import SimpleNamespace
 
-    ticks = iter([0.0,  # the deadline is read once: 0 + 1 s
-                  0.0, 0.0, 0.004,  # loop check, start, end: 4 ms
-                  0.004, 0.004, 0.006,  # 2 ms
-                  2.0])  # past the deadline
+    ticks = iter(
+        [
+            0.0,  # the deadline is read once: 0 + 1 s
+            0.0,
+            0.0,
+            0.004,  # loop check, start, end: 4 ms
+            0.004,
+            0.004,
+            0.006,  # 2 ms
+            2.0,
+        ]
+    )  # past the deadline
     monkeypatch.setattr(mfu_mod, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     assert mfu_mod._measure_matmul_flops(n=64, seconds=1.0) == pytest.approx(262_144_000)

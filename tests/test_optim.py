@@ -78,6 +78,7 @@ def test_matches_torch_adamw_including_a_state_dict_round_trip(decay_embeddings:
     opt = make_optimizer("ours", model, decay_embeddings)
     train(model, opt, 0, 25)
     model_state, opt_state = model.state_dict(), opt.state_dict()
+
     def resume_with(kind: str) -> GPT:
         # A fresh copy each time: load_state_dict keeps the given tensors, which training mutates.
         resumed = GPT(CFG)
@@ -108,8 +109,7 @@ def test_state_layout_matches_torch() -> None:
         step = state["step"]
         assert step.dtype == torch.float32 and step.dim() == 0 and step.item() == 3.0
         assert step.device.type == "cpu"
-    assert [g["params"] for g in ours["param_groups"]] == \
-        [g["params"] for g in theirs["param_groups"]]
+    assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
 
 
 def test_parameters_without_grad_are_left_alone() -> None:
@@ -141,12 +141,12 @@ def test_parameters_at_different_step_counts_match_torch() -> None:
 
 # ---------------------------------------------------------------- parameter groups
 
+
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 @pytest.mark.parametrize("decay_embeddings", [True, False])
 def test_param_groups(style: str, decay_embeddings: bool) -> None:
     torch.manual_seed(0)
-    model = GPT(ModelConfig(style=style, n_layer=2, n_head=2, d_model=32, seq_len=16,
-                            vocab_size=64))
+    model = GPT(ModelConfig(style=style, n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=64))
     model.norm_f.weight.requires_grad_(False)  # frozen parameters are not optimized
     groups = {g["name"]: g for g in param_groups(model, 0.1, decay_embeddings)}
     assert set(groups) == {"decay", "no_decay"}
@@ -170,6 +170,7 @@ def test_param_groups(style: str, decay_embeddings: bool) -> None:
 
 
 # ---------------------------------------------------------------- schedules
+
 
 def test_warmup_steps_from_steps_or_fraction() -> None:
     assert warmup_steps(1000, 0.05) == 50

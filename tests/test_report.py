@@ -22,17 +22,44 @@ from tests.conftest import assert_user_error, run_cli
 
 PNGS = ("curves.png", "lr.png", "warmup.png", "parallel.png")
 FILES = ("trials.parquet", "trials.csv", "curves.parquet", "report.html", "best.toml", *PNGS)
-COLUMNS = ["rank", "trial_id", "lr", "weight_decay", "warmup", "tokens", "val_loss",
-           "best_val_loss", "val_bpb", "status", "wall_s", "startup_s", "winddown_s", "node_id",
-           "checkpoint", "reason"]
+COLUMNS = [
+    "rank",
+    "trial_id",
+    "lr",
+    "weight_decay",
+    "warmup",
+    "tokens",
+    "val_loss",
+    "best_val_loss",
+    "val_bpb",
+    "status",
+    "wall_s",
+    "startup_s",
+    "winddown_s",
+    "node_id",
+    "checkpoint",
+    "reason",
+]
 NODE = "c108cccc9fc72185316a274a500aa6064a760baea79e11bcc26a8289"
 
 
 def _trial(tid: str, status: str, loss: float, **extra: Any) -> dict[str, Any]:
-    return {"trial_id": tid, "status": status, "val_loss": loss, "best_val_loss": loss,
-            "val_bpb": loss / 2, "tokens": 3072.0, "wall_s": 3.9, "startup_s": 2.5,
-            "winddown_s": math.nan, "node_id": NODE, "checkpoint": "", "reason": "",
-            "config": {"optim.lr": 3e-3, "optim.weight_decay": 0.1, "optim.warmup": 0.1}, **extra}
+    return {
+        "trial_id": tid,
+        "status": status,
+        "val_loss": loss,
+        "best_val_loss": loss,
+        "val_bpb": loss / 2,
+        "tokens": 3072.0,
+        "wall_s": 3.9,
+        "startup_s": 2.5,
+        "winddown_s": math.nan,
+        "node_id": NODE,
+        "checkpoint": "",
+        "reason": "",
+        "config": {"optim.lr": 3e-3, "optim.weight_decay": 0.1, "optim.warmup": 0.1},
+        **extra,
+    }
 
 
 def test_print_columns_right_aligns_each_column(capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,22 +69,31 @@ def test_print_columns_right_aligns_each_column(capsys: pytest.CaptureFixture[st
         " #    name  loss",
         " 1       a   5.1",
         "10  bbbbbb     -",
-        "#  name"]
+        "#  name",
+    ]
 
 
 def test_terminal_table(capsys: pytest.CaptureFixture[str]) -> None:
-    print_table([_trial("t1", "completed", 3.75726), _trial("t2", "cut by budget", 4.0, node_id="",
-                                                             tokens=12345.0, reason="time budget")])
+    print_table(
+        [
+            _trial("t1", "completed", 3.75726),
+            _trial("t2", "cut by budget", 4.0, node_id="", tokens=12345.0, reason="time budget"),
+        ]
+    )
     assert capsys.readouterr().out.splitlines() == [
         "#     lr  warmup  weight_decay  tokens  val_loss   best    bpb         status  wall      node",
         "1  0.003     0.1           0.1   3,072     3.757  3.757  1.879      completed    4s  c108cccc",
         "2  0.003     0.1           0.1  12,345         4      4      2  cut by budget    4s         -",
-        "  t2 cut by budget: time budget"]
+        "  t2 cut by budget: time budget",
+    ]
 
 
 def test_rows_best_and_page_from_made_up_trials(tmp_path: Path) -> None:
-    trials = [_trial("run", "unfinished", 3.0), _trial("ok", "cut by budget", 3.5),
-              _trial("bad", "diverged", math.nan)]
+    trials = [
+        _trial("run", "unfinished", 3.0),
+        _trial("ok", "cut by budget", 3.5),
+        _trial("bad", "diverged", math.nan),
+    ]
     rows = trial_rows(trials)
     assert list(rows[0]) == COLUMNS
     assert rows[1]["node_id"] == NODE and rows[1]["startup_s"] == 2.5  # full id in the files
@@ -92,8 +128,9 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
     rows = table.to_pylist()
     assert [r["rank"] for r in rows] == list(range(1, 7))
     assert all(len(r["node_id"]) > 8 for r in rows)  # the full Ray node id
-    assert all(math.isfinite(r["startup_s"]) and r["startup_s"] >= 0 for r in rows
-               if r["status"] == "completed")
+    assert all(
+        math.isfinite(r["startup_s"]) and r["startup_s"] >= 0 for r in rows if r["status"] == "completed"
+    )
     assert (out / "trials.csv").read_text().count("\n") == 7
     assert pq.read_table(out / "curves.parquet").num_rows >= 6
 
@@ -142,8 +179,9 @@ def test_report_needs_matplotlib(finished_sweep: Path, tmp_path: Path) -> None:
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('matplotlib blocked by the test')\n")
     pythonpath = f"{blocker.parent}:{Path(__file__).resolve().parents[1]}"
-    proc = run_cli("report", str(finished_sweep), "--out", str(tmp_path / "r"),
-                   env={"PYTHONPATH": pythonpath})
+    proc = run_cli(
+        "report", str(finished_sweep), "--out", str(tmp_path / "r"), env={"PYTHONPATH": pythonpath}
+    )
     assert_user_error(proc, "matplotlib", "pip install 'gptrun[report]'")
     assert not (tmp_path / "r").exists()
 

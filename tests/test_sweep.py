@@ -22,6 +22,7 @@ from tests.conftest import REPO, assert_user_error, run_cli, write_sweep_config
 
 pytestmark = pytest.mark.ray
 
+
 def trial_records(exp_dir: Path) -> dict[str, list[dict]]:
     """Every report of every trial, read from Tune's result.json files."""
     records = {}
@@ -47,8 +48,10 @@ def test_sweep_completes_and_asha_stops_some_trials(finished_sweep):
     states = dict(study_rows(finished_sweep))
     assert sorted(states) == sorted(t["trial_id"] for t in trials)
     for t in trials:
-        assert states[t["trial_id"]] == ("PRUNED" if t["status"] == "stopped early"
-                                         else "COMPLETE"), (t, states)
+        assert states[t["trial_id"]] == ("PRUNED" if t["status"] == "stopped early" else "COMPLETE"), (
+            t,
+            states,
+        )
     # Each trial ran on this machine's node, and its fixed cost was measured.
     assert {len(t["node_id"]) for t in trials} == {56}, [t["node_id"] for t in trials]
     assert all(0 <= t["startup_s"] < 120 for t in trials), [t["startup_s"] for t in trials]
@@ -59,33 +62,44 @@ def test_best_toml_loads_and_trains(finished_sweep, tmp_path):
 
     best = load_experiment(finished_sweep / "best.toml")
     assert best.optim.lr > 0
-    proc = run_cli("train", str(finished_sweep / "best.toml"), "--local", "--out",
-                   str(tmp_path / "best"), "--set", "train.max_steps=4")
+    proc = run_cli(
+        "train",
+        str(finished_sweep / "best.toml"),
+        "--local",
+        "--out",
+        str(tmp_path / "best"),
+        "--set",
+        "train.max_steps=4",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "best" / "checkpoints" / "last.pt").exists()
 
 
 def test_existing_name_points_to_resume(finished_sweep):
     config = finished_sweep.parent.parent / "sweep.toml"
-    proc = run_cli("sweep", str(config), "--name", "finished", "--storage",
-                   str(finished_sweep.parent))
+    proc = run_cli("sweep", str(config), "--name", "finished", "--storage", str(finished_sweep.parent))
     assert_user_error(proc, "gptrun resume", "--restart")
 
 
 def study_rows(exp_dir: Path) -> list[tuple[str, str]]:
     """(Tune trial id, Optuna state) of every trial in the experiment's sqlite study."""
     with sqlite3.connect(exp_dir / "optuna.db") as db:
-        return [(json.loads(tid), state) for tid, state in db.execute(
-            "select a.value_json, t.state from trials t join trial_user_attributes a "
-            "on a.trial_id = t.trial_id where a.key = 'tune_trial_id'")]
+        return [
+            (json.loads(tid), state)
+            for tid, state in db.execute(
+                "select a.value_json, t.state from trials t join trial_user_attributes a "
+                "on a.trial_id = t.trial_id where a.key = 'tune_trial_id'"
+            )
+        ]
 
 
 def kill_when_interrupted(args: list[str], exp_dir: Path, steps: int, every: int) -> dict:
     """Start a sweep driver, SIGKILL it (and the local Ray it started) once a trial has reported
     a checkpointed step without finishing; return the result records seen before the kill."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    driver = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    driver = subprocess.Popen(
+        args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -111,9 +125,23 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(tiny_data, tmp_
     n, steps, every = (4, 120, 10) if workers == 1 else (2, 60, 10)
     config = write_sweep_config(tiny_data, tmp_path, n=n, max_steps=steps)
     exp_dir = tmp_path / "sweeps" / "killed"
-    args = [sys.executable, "-m", "experiments", "sweep", str(config), "--name", "killed",
-            "--storage", str(tmp_path / "sweeps"), "--set", "sweep.grace_tokens=100000000",
-            "--set", f"train.eval_interval={every}", "--set", f"resources.workers={workers}"]
+    args = [
+        sys.executable,
+        "-m",
+        "experiments",
+        "sweep",
+        str(config),
+        "--name",
+        "killed",
+        "--storage",
+        str(tmp_path / "sweeps"),
+        "--set",
+        "sweep.grace_tokens=100000000",
+        "--set",
+        f"train.eval_interval={every}",
+        "--set",
+        f"resources.workers={workers}",
+    ]
     before = kill_when_interrupted(args, exp_dir, steps, every)
     interrupted = {tid: recs for tid, recs in before.items() if recs[-1]["step"] < steps}
     assert any(recs[-1]["step"] >= 2 * every for recs in interrupted.values()), before
@@ -127,8 +155,11 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(tiny_data, tmp_
         if recs[-1]["step"] < 2 * every:
             continue  # it may not have had a checkpoint committed yet
         resumed = [r for r in after[tid] if r.get("resumed_from", 0) > 0]
-        assert resumed, (tid, [(r["step"], r.get("resumed_from")) for r in recs],
-                         [(r["step"], r.get("resumed_from")) for r in after[tid]])
+        assert resumed, (
+            tid,
+            [(r["step"], r.get("resumed_from")) for r in recs],
+            [(r["step"], r.get("resumed_from")) for r in after[tid]],
+        )
         # From a committed checkpoint: not from step 0, and at most a few intervals replayed
         # (Tune snapshots its state at least every `keep_checkpoints` checkpoints). A DDP run
         # reports to Tune through a queue, so it may have trained (and checkpointed) beyond the
@@ -143,16 +174,20 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(tiny_data, tmp_
     assert "RUNNING" not in {state for _, state in rows}, rows
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("sweep.space.lr={ loguniform = [1e-2, 1e-3] }", "range [0.01, 0.001] is empty"),
-    ("sweep.space.lr={ uniform = [0.0, 1e-3] }", "learning rate must be > 0"),
-    ("sweep.space.lrr={ uniform = [0.1, 0.2] }", "not a config key that can be searched"),
-    ("resources.gpus_per_worker=1", "needs"),
-    ("optim.warmup=0.5", "lies outside its sweep.space range"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("sweep.space.lr={ loguniform = [1e-2, 1e-3] }", "range [0.01, 0.001] is empty"),
+        ("sweep.space.lr={ uniform = [0.0, 1e-3] }", "learning rate must be > 0"),
+        ("sweep.space.lrr={ uniform = [0.1, 0.2] }", "not a config key that can be searched"),
+        ("resources.gpus_per_worker=1", "needs"),
+        ("optim.warmup=0.5", "lies outside its sweep.space range"),
+    ],
+)
 def test_bad_sweep_configs_are_one_line(tiny_data, tmp_path, override, needle):
     config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8)
     env = {"GPTRUN_RESOURCE_WAIT_S": "1"}
-    proc = run_cli("sweep", str(config), "--storage", str(tmp_path / "s"), "--set", override,
-                   env=env, timeout=120)
+    proc = run_cli(
+        "sweep", str(config), "--storage", str(tmp_path / "s"), "--set", override, env=env, timeout=120
+    )
     assert_user_error(proc, needle)

@@ -62,8 +62,7 @@ def capture_grads(trainer: Trainer) -> list[list[torch.Tensor]]:
 
 def test_grad_accumulation_matches_one_big_batch(tiny_data, tmp_path):
     big = Trainer(make_config(tiny_data, tmp_path, "train.batch_size=8"), log=None)
-    small = Trainer(make_config(tiny_data, tmp_path, "train.batch_size=2", "train.grad_accum=4"),
-                    log=None)
+    small = Trainer(make_config(tiny_data, tmp_path, "train.batch_size=2", "train.grad_accum=4"), log=None)
     small.model.load_state_dict(big.model.state_dict())
     big_grads, small_grads = capture_grads(big), capture_grads(small)
     for _ in range(3):
@@ -85,8 +84,7 @@ def test_resume_is_bit_identical(tiny_data, tmp_path, dropout):
     first = Trainer(cfg, log=None)
     first_steps = record_steps(first)
     saved = {}
-    first.fit(on_report=lambda m, state: saved.update(state=state) if state else None,
-              stop_at_step=6)
+    first.fit(on_report=lambda m, state: saved.update(state=state) if state else None, stop_at_step=6)
     path = save_checkpoint(tmp_path / "mid.pt", saved["state"])
 
     second = Trainer(cfg, log=None)
@@ -143,8 +141,14 @@ def test_bad_streak_rolls_back_and_halves_lr(tiny_data, tmp_path):
 
 def test_rollbacks_compound_and_tokens_never_go_back(tiny_data, tmp_path):
     """Three rollbacks to the same checkpoint: lr scale 1/8, not 1/2; the tokens clock goes on."""
-    cfg = make_config(tiny_data, tmp_path, "train.max_bad_steps=2", "train.max_rollbacks=3",
-                      "train.eval_interval=2", "train.checkpoint_interval=4")
+    cfg = make_config(
+        tiny_data,
+        tmp_path,
+        "train.max_bad_steps=2",
+        "train.max_rollbacks=3",
+        "train.eval_interval=2",
+        "train.checkpoint_interval=4",
+    )
     trainer = Trainer(cfg, log=None)
     # Batches 0-5 train steps 1-6 (checkpoint at 4, report at 6), then 6 bad batches in a row.
     poison_batches(trainer, set(range(6, 12)))
@@ -172,7 +176,7 @@ def test_endless_nan_stops_as_diverged(tiny_data, tmp_path):
 
 
 def flip(data: bytes, position: int) -> bytes:
-    return data[:position] + bytes([data[position] ^ 0x01]) + data[position + 1:]
+    return data[:position] + bytes([data[position] ^ 0x01]) + data[position + 1 :]
 
 
 def test_any_changed_byte_is_a_damaged_checkpoint(tiny_data, tmp_path):
@@ -185,10 +189,12 @@ def test_any_changed_byte_is_a_damaged_checkpoint(tiny_data, tmp_path):
         pickle = next(i for i in payload.infolist() if i.filename.endswith("data.pkl"))
     # The pickled metadata (step, data position, config, ...), a stride over the whole file
     # (tensors, zip directory), and every byte of the checksum trailer.
-    metadata = range(pickle.header_offset, pickle.header_offset + 30 + len(pickle.filename)
-                     + pickle.compress_size, 7)
-    positions = sorted({*metadata, *range(0, len(good), len(good) // 150),
-                        *range(len(good) - TRAILER_BYTES - 64, len(good))})
+    metadata = range(
+        pickle.header_offset, pickle.header_offset + 30 + len(pickle.filename) + pickle.compress_size, 7
+    )
+    positions = sorted(
+        {*metadata, *range(0, len(good), len(good) // 150), *range(len(good) - TRAILER_BYTES - 64, len(good))}
+    )
     assert len(positions) > 400
     bad = tmp_path / "bad.pt"
     for position in positions:
@@ -222,8 +228,13 @@ def test_atomic_writes_are_fsynced_before_and_after_the_rename(tmp_path, monkeyp
         (tmp / "sub").mkdir()
         (tmp / "sub" / "a.npy").write_text("a")
     inos = {p: (tmp_path / "d" / p).stat().st_ino for p in ("sub/a.npy", "sub", ".")}
-    assert events == [("fsync", inos["sub/a.npy"]), ("fsync", inos["sub"]), ("fsync", inos["."]),
-                      ("replace", inos["."]), ("fsync", folder_ino)]
+    assert events == [
+        ("fsync", inos["sub/a.npy"]),
+        ("fsync", inos["sub"]),
+        ("fsync", inos["."]),
+        ("replace", inos["."]),
+        ("fsync", folder_ino),
+    ]
 
 
 def test_local_run_resumes_and_refuses_another_shape(tiny_data, tmp_path, capsys):
@@ -245,28 +256,30 @@ def test_local_run_resumes_and_refuses_another_shape(tiny_data, tmp_path, capsys
 def test_a_rerun_with_another_schedule_is_refused_unless_extended(tiny_data, tmp_path):
     train_local(make_config(tiny_data, tmp_path, "train.max_steps=8"))
     last = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
-    for overrides, needle in [(["train.max_steps=16"], "8-step run but this config makes 16 "
-                               "steps.*--set train.extend=true"),
-                              (["train.max_tokens=2048"], "8-step run but this config makes 16"),
-                              (["optim.lr=1e-3", "train.extend=true"], "optim.lr: 0.003 vs 0.001")]:
+    for overrides, needle in [
+        (["train.max_steps=16"], "8-step run but this config makes 16 steps.*--set train.extend=true"),
+        (["train.max_tokens=2048"], "8-step run but this config makes 16"),
+        (["optim.lr=1e-3", "train.extend=true"], "optim.lr: 0.003 vs 0.001"),
+    ]:
         trainer = Trainer(make_config(tiny_data, tmp_path, *overrides), log=None)
         with pytest.raises(UserError, match=needle):
             trainer.load_state_dict(last)  # the resume of --local and of Ray Train alike
     logs: list[str] = []
-    extended = Trainer(make_config(tiny_data, tmp_path, "train.max_steps=16", "train.extend=true"),
-                       log=logs.append)
+    extended = Trainer(
+        make_config(tiny_data, tmp_path, "train.max_steps=16", "train.extend=true"), log=logs.append
+    )
     extended.load_state_dict(last)
     assert extended.step == 8 and extended.total_steps == 16
     assert any("from 8 to 16 steps" in line for line in logs)
     shorter = Trainer(make_config(tiny_data, tmp_path, "train.max_steps=8"), log=None)
     shorter.load_state_dict(last)  # the same length needs no flag
     config = tmp_path / "exp.toml"
-    assert_user_error(run_cli("train", str(config), "--local", "--set", "train.max_steps=10"),
-                      "train.extend=true")
+    assert_user_error(
+        run_cli("train", str(config), "--local", "--set", "train.max_steps=10"), "train.extend=true"
+    )
 
 
-def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_path, monkeypatch,
-                                                              request):
+def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_path, monkeypatch, request):
     """SIGINT arrives inside step 6 (batch index moved, optimizer not yet stepped): the interrupt
     checkpoint must still be taken between steps, so the resumed run equals the uninterrupted one."""
     # Python's own Ctrl-C handler, as in `gptrun train --local`: a Ray Train fit() run earlier in
@@ -291,16 +304,18 @@ def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_pat
     assert load_checkpoint(last)["step"] == 6 and load_checkpoint(last)["batch_index"] == 6
     resumed, uninterrupted = train_local(cfg), train_local(full)
     assert resumed["val_loss"] == uninterrupted["val_loss"]
-    a, b = (load_checkpoint(p / "checkpoints" / "last.pt")["model"]
-            for p in (tmp_path / "run", tmp_path / "full"))
+    a, b = (
+        load_checkpoint(p / "checkpoints" / "last.pt")["model"] for p in (tmp_path / "run", tmp_path / "full")
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_bits_per_byte_counts_the_bytes_of_the_evaluated_slice(tiny_data, tmp_path):
     trainer = Trainer(make_config(tiny_data, tmp_path), log=None)
     metrics = trainer.evaluate()
-    targets = torch.cat([y.reshape(-1) for _, y in trainer.data.val_batches(
-        seq_len=32, batch_size=4, eval_tokens=2048)])
+    targets = torch.cat(
+        [y.reshape(-1) for _, y in trainer.data.val_batches(seq_len=32, batch_size=4, eval_tokens=2048)]
+    )
     assert targets.numel() == trainer.data.num_val_windows(32, 2048) * 32
     tok = Tokenizer.from_file(str(tiny_data / "tokenizer.json"))
     # The slice's targets are consecutive tokens; <|endoftext|> stands for no text.
@@ -320,7 +335,9 @@ def test_dropout_differs_across_ranks_while_init_does_not(tiny_data, tmp_path, m
         inits.append(copy.deepcopy(trainer.model.state_dict()))
         forward = trainer.step_model.forward
         trainer.step_model.forward = lambda *a, forward=forward, **kw: (
-            states.append(torch.get_rng_state()), forward(*a, **kw))[1]
+            states.append(torch.get_rng_state()),
+            forward(*a, **kw),
+        )[1]
         trainer.train_step()
     assert all(torch.equal(inits[0][k], inits[1][k]) for k in inits[0])  # the same init
     assert not torch.equal(states[0], states[1])  # the RNG that draws the dropout masks
@@ -341,10 +358,18 @@ def test_sample_stops_at_end_of_text_unless_told_not_to(tiny_data, tmp_path, mon
     path = save_checkpoint(tmp_path / "eot.pt", trainer.state_dict())
     outputs: list[torch.Tensor] = []
     generate = GPT.generate
-    monkeypatch.setattr(GPT, "generate", lambda *a, **kw: outputs.append(generate(*a, **kw))
-                        or outputs[-1])
-    args = dict(prompt="KING:", max_new_tokens=10, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                use_cache=True, tokenizer=None, device="cpu")
+    monkeypatch.setattr(GPT, "generate", lambda *a, **kw: outputs.append(generate(*a, **kw)) or outputs[-1])
+    args = dict(
+        prompt="KING:",
+        max_new_tokens=10,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=0,
+        use_cache=True,
+        tokenizer=None,
+        device="cpu",
+    )
     assert sample_cli(str(path), **args) == "KING:"
     assert sample_cli(str(path), **args, ignore_eos=True) == "KING:"
     prompt = len(Tokenizer.from_file(str(tiny_data / "tokenizer.json")).encode("KING:").ids)
@@ -359,20 +384,22 @@ def test_cli_train_local_then_sample(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "eval step 8" in proc.stdout and "last checkpoint" in proc.stdout
     ckpt = tmp_path / "run" / "checkpoints" / "last.pt"
-    proc = run_cli("sample", str(ckpt), "--prompt", "KING:", "--max-new-tokens", "20",
-                   "--temperature", "0")
+    proc = run_cli("sample", str(ckpt), "--prompt", "KING:", "--max-new-tokens", "20", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("KING:") and len(proc.stdout) > len("KING:") + 5
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["optim.lrr=1e-3"], "optim.lrr; did you mean optim.lr?"),
-    (["trian.max_steps=3"], "unknown config section [trian]"),
-    (["train.batch_size=\"big\""], "train.batch_size must be a int"),
-    (["model.max_positions=16"], "seq_len=32 is larger than the model's positions"),
-    (["model.vocab_size=512"], "has a 384-token tokenizer but model.vocab_size=512"),
-    (["optim.schedule=\"cosin\""], "did you mean cosine?"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["optim.lrr=1e-3"], "optim.lrr; did you mean optim.lr?"),
+        (["trian.max_steps=3"], "unknown config section [trian]"),
+        (['train.batch_size="big"'], "train.batch_size must be a int"),
+        (["model.max_positions=16"], "seq_len=32 is larger than the model's positions"),
+        (["model.vocab_size=512"], "has a 384-token tokenizer but model.vocab_size=512"),
+        (['optim.schedule="cosin"'], "did you mean cosine?"),
+    ],
+)
 def test_cli_bad_config_is_one_line(tiny_data, tmp_path, overrides, needle):
     config = tmp_path / "exp.toml"
     config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
@@ -391,12 +418,15 @@ def test_cli_train_local_bad_out_or_data_is_one_line_and_writes_nothing(tiny_dat
     config = tmp_path / "exp.toml"
     config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
     (tmp_path / "file").write_text("keep me")
-    assert_user_error(run_cli("train", str(config), "--local", "--out", str(tmp_path / "file")),
-                      "existing file")
+    assert_user_error(
+        run_cli("train", str(config), "--local", "--out", str(tmp_path / "file")), "existing file"
+    )
     assert (tmp_path / "file").read_text() == "keep me"
     if os.path.isdir("/proc"):  # a filesystem where no folder can be made, even by root
-        assert_user_error(run_cli("train", str(config), "--local", "--out", "/proc/gptrun/run"),
-                          "/proc/gptrun/run is not writable")
+        assert_user_error(
+            run_cli("train", str(config), "--local", "--out", "/proc/gptrun/run"),
+            "/proc/gptrun/run is not writable",
+        )
     data_missing = tmp_path / "nodata.toml"
     data_missing.write_text(tiny_config_text(tmp_path / "nodata", tmp_path / "run"))
     assert_user_error(run_cli("train", str(data_missing), "--local"), "nodata")
@@ -406,14 +436,20 @@ def test_cli_train_local_bad_out_or_data_is_one_line_and_writes_nothing(tiny_dat
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_makefile_passes_torch_index_to_the_torch_install_only(tmp_path):
     def pip_installs(*args: str) -> list[str]:
-        proc = subprocess.run(["make", "-n", "-B", "install", f"VENV={tmp_path}/venv", *args],
-                              cwd=REPO, capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            ["make", "-n", "-B", "install", f"VENV={tmp_path}/venv", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         lines = proc.stdout.replace("\\\n", " ").splitlines()  # join continued lines
         return [line for line in lines if "pip install" in line]
 
     index = "https://download.pytorch.org/whl/cpu"
     installs = pip_installs(f"TORCH_INDEX={index}")
-    assert [line for line in installs if "--index-url" in line] == \
-        [line for line in installs if "torch==2.13.0" in line]
+    assert [line for line in installs if "--index-url" in line] == [
+        line for line in installs if "torch==2.13.0" in line
+    ]
     assert f'--index-url "{index}"' in installs[1] and "torch==2.13.0" in installs[1]
     assert not any("--index-url" in line for line in pip_installs())

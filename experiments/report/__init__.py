@@ -33,8 +33,10 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     if best is not None:
         best_cfg = best_config(cfg, space, best, exp_dir.name)
         write(out_dir / "best.toml", lambda tmp: tmp.write_text(best_cfg.to_toml()))
-        print(f"best trial {best['trial_id']}: val loss {best['val_loss']:.4f} | config "
-              f"{out_dir / 'best.toml'} | checkpoint {best['checkpoint'] or '-'}")
+        print(
+            f"best trial {best['trial_id']}: val loss {best['val_loss']:.4f} | config "
+            f"{out_dir / 'best.toml'} | checkpoint {best['checkpoint'] or '-'}"
+        )
     else:
         (out_dir / "best.toml").unlink(missing_ok=True)
         print("no trial has finished without error yet; no best.toml written")

@@ -14,8 +14,19 @@ from experiments.results import short_params
 from gptcore.atomic import atomic_file
 
 OK = ("completed", "stopped early", "cut by budget")  # finished without error: a loss to rank
-COLUMNS = ("tokens", "val_loss", "best_val_loss", "val_bpb", "status", "wall_s", "startup_s",
-           "winddown_s", "node_id", "checkpoint", "reason")
+COLUMNS = (
+    "tokens",
+    "val_loss",
+    "best_val_loss",
+    "val_bpb",
+    "status",
+    "wall_s",
+    "startup_s",
+    "winddown_s",
+    "node_id",
+    "checkpoint",
+    "reason",
+)
 PARAMS = ("lr", "weight_decay", "warmup")  # always present, first; other searched keys follow
 CURVE_COLUMNS = ("trial_id", "tokens", "step", "loss", "val_loss", "lr", "tokens_per_sec")
 
@@ -28,8 +39,14 @@ def trial_rows(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for rank, t in enumerate(trials, 1):
         p = short_params(t["config"])
-        rows.append({"rank": rank, "trial_id": t["trial_id"], **{k: p.get(k) for k in params},
-                     **{k: t[k] for k in COLUMNS}})
+        rows.append(
+            {
+                "rank": rank,
+                "trial_id": t["trial_id"],
+                **{k: p.get(k) for k in params},
+                **{k: t[k] for k in COLUMNS},
+            }
+        )
     return rows
 
 
@@ -73,6 +90,8 @@ def read_noise(exp_dir: Path) -> dict[str, Any] | None:
     noise = json.loads(path.read_text())
     if "sweep_std" in noise:
         return noise
-    print(f"note: {path} is from an older gptrun; run `gptrun confirm` again with the same --top "
-          "and --seeds to recompute it from its finished runs")
+    print(
+        f"note: {path} is from an older gptrun; run `gptrun confirm` again with the same --top "
+        "and --seeds to recompute it from its finished runs"
+    )
     return None
