@@ -54,10 +54,14 @@ class Space:
         """The searched config keys: the columns of Tune's progress table."""
         return tuple(p.key for p in self.params)
 
-    def suggest(self, trial: Any) -> None:
-        """Optuna define-by-run: ask `trial` for every searched key."""
+    def suggest(self, trial: Any) -> dict[str, float]:
+        """Optuna define-by-run: ask `trial` for every searched key. A key whose zero was chosen
+        is returned as a constant 0.0, so that every trial's config holds every searched key
+        (Tune's progress table looks each one up)."""
+        zeros: dict[str, float] = {}
         for p in self.params:
             if p.include_zero and trial.suggest_categorical(p.zero_flag, [False, True]):
+                zeros[p.key] = 0.0
                 continue
             if p.kind in ("loguniform", "uniform"):
                 trial.suggest_float(p.key, p.low, p.high, log=p.kind == "loguniform")
@@ -65,6 +69,7 @@ class Space:
                 trial.suggest_int(p.key, int(p.low), int(p.high))
             else:
                 trial.suggest_categorical(p.key, list(p.choices))
+        return zeros
 
     def baseline(self, cfg: RayExperiment) -> dict[str, Any]:
         """The config's own values as an Optuna point: the trial every sweep should beat."""

@@ -1,4 +1,5 @@
-"""`gptrun plan`: ASHA arithmetic and the printed plan, with a real throughput probe."""
+"""`gptrun plan` and the search space: ASHA arithmetic, the printed plan with a real throughput probe,
+the shipped configs, and what TPE puts in a trial's config."""
 
 from __future__ import annotations
 
@@ -47,3 +48,20 @@ def test_plan_refuses_a_baseline_outside_the_space(tiny_data, tmp_path):
     config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8)
     proc = run_cli("plan", str(config), "--tokens-per-sec", "10", "--set", "optim.warmup=0.9")
     assert_user_error(proc, "lies outside its sweep.space range")
+
+
+def test_a_zero_chosen_by_tpe_is_in_the_trial_config(tiny_data, tmp_path):
+    """Tune's progress table looks up every searched key in the best trial's config: a weight
+    decay of exactly 0 (include_zero) must be there as 0.0, not missing (it crashed a sweep)."""
+    from ray._private.dict import unflattened_lookup
+    from ray.tune.search.optuna import OptunaSearch
+
+    cfg = load_experiment(write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8))
+    space = parse_space(cfg)
+    zero_wd = {**space.baseline(cfg), "optim.weight_decay_is_zero": True}
+    zero_wd.pop("optim.weight_decay")
+    search = OptunaSearch(space=space.suggest, points_to_evaluate=[zero_wd], metric="val_loss", mode="min")
+    config = search.suggest("t0")
+    assert config["optim.weight_decay"] == 0.0 and config["optim.weight_decay_is_zero"] is True
+    assert unflattened_lookup("optim.weight_decay", config) == 0.0
+    assert space.overrides(config)["optim.weight_decay"] == 0.0
