@@ -50,8 +50,7 @@ def new_tuner(
         max_report_frequency=30,
         parameter_columns=list(space.keys),
         metric=METRIC,
-        mode=MODE,
-        sort_by_metric=True,
+        mode=MODE,  # not sort_by_metric: it crashes on a trial ended before its first report
     )
     callbacks = [
         TrialEvents(exp_dir, trial_tokens(cfg)),
