@@ -49,10 +49,19 @@ class RecordingASHA(ASHAScheduler):
 
 
 class TrialEvents(Callback):
-    """Start, end and error of every trial: one line each, and a line in events.jsonl."""
+    """Start, end and error of every trial: one line each, and a line in events.jsonl.
 
-    def __init__(self, exp_dir: Path, full_tokens: int) -> None:
-        self.exp_dir, self.full_tokens = exp_dir, full_tokens
+    Tune ends the trials that are running when `sweep.budget` runs out without calling
+    `on_trial_complete`: `on_experiment_end` tells their end instead, once the budget is spent
+    (an interrupted sweep's trials are not ended: `gptrun resume` continues them)."""
+
+    def __init__(self, exp_dir: Path, full_tokens: int, budget_s: float | None = None) -> None:
+        self.exp_dir, self.full_tokens, self.budget_s = exp_dir, full_tokens, budget_s
+        self.started_unix = time.time()
+        self.ended: set[str] = set()
+
+    def setup(self, **info: Any) -> None:
+        self.started_unix = time.time()  # Tune's budget clock starts with the experiment
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         append_event(self.exp_dir, {"event": "start", "trial_id": trial.trial_id, "unix": time.time()})
@@ -62,9 +71,18 @@ class TrialEvents(Callback):
         last = trial.last_result or {}
         append_event(self.exp_dir, {"event": "end", "trial_id": trial.trial_id, "unix": time.time()})
         print(f"trial {trial.trial_id} {self.describe(trial.trial_id, last)}", flush=True)
+        self.ended.add(trial.trial_id)
+
+    def on_experiment_end(self, trials: list, **info: Any) -> None:
+        if self.budget_s is None or time.time() - self.started_unix < self.budget_s:
+            return
+        for trial in trials:
+            if trial.trial_id not in self.ended and trial.last_result and trial.status != "ERROR":
+                self.on_trial_complete(0, trials, trial)
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         append_event(self.exp_dir, {"event": "error", "trial_id": trial.trial_id, "unix": time.time()})
+        self.ended.add(trial.trial_id)
         print(f"trial {trial.trial_id} failed: {trial.error_file or 'see its error.txt'}", flush=True)
 
     def describe(self, trial_id: str, last: dict[str, Any]) -> str:

@@ -111,17 +111,18 @@ def check_new_study(url: str, name: str, replace: bool) -> None:
     optuna.delete_study(study_name=name, storage=storage)
 
 
-def close_orphans(url: str, name: str, known: set[str]) -> int:
-    """Trials still RUNNING in the study whose Tune trial is not in the experiment: asked by a
-    driver that was killed before Tune saved them (Tune asks again for a new trial on resume).
-    Told as FAIL, so that no trial looks as if it were still running; they are the study's
-    trials whose `tune_trial_id` the experiment does not hold."""
+def close_running(url: str, name: str, known: set[str], cut: set[str]) -> None:
+    """Close the trials a finished sweep left RUNNING in the study. Those whose Tune trial the
+    time budget ended (`cut`: Tune tells no searcher about them) are PRUNED, like ASHA's stops.
+    Those whose Tune trial is not in the experiment (`known`) were asked by a driver killed
+    before Tune saved them (Tune asks again for a new trial on resume): FAIL, so that no trial
+    looks as if it were still running."""
     import optuna
 
     study = optuna.load_study(study_name=name, storage=rdb_storage(url))
-    closed = 0
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        if trial.user_attrs.get(TUNE_ID) not in known:
+        tune_id = trial.user_attrs.get(TUNE_ID)
+        if tune_id in cut:
+            study.tell(trial.number, state=optuna.trial.TrialState.PRUNED)
+        elif tune_id not in known:
             study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
-            closed += 1
-    return closed

@@ -132,11 +132,12 @@ def run_resume(plan: SweepPlan) -> int:
 
 def finish(cfg: RayExperiment, space: Space, exp_dir: Path) -> int:
     """The summary table, the per-trial fixed costs, best.toml and the best checkpoint's path;
-    trials a killed driver left RUNNING in the study are closed."""
-    from experiments.study import close_orphans
+    trials that the budget ended or a killed driver left RUNNING in the study are closed."""
+    from experiments.study import close_running
 
     trials = load_trials(exp_dir)
-    close_orphans(study_url(cfg, exp_dir), exp_dir.name, {t["trial_id"] for t in trials})
+    cut = {t["trial_id"] for t in trials if t["status"] == "cut by budget"}
+    close_running(study_url(cfg, exp_dir), exp_dir.name, {t["trial_id"] for t in trials}, cut)
     print_table(trials)
     print_trial_costs(trials)
     ok = [t for t in trials if t["status"] in ("completed", "stopped early", "cut by budget")]

@@ -53,7 +53,9 @@ def new_tuner(
         mode=MODE,  # not sort_by_metric: it crashes on a trial ended before its first report
     )
     callbacks = [
-        TrialEvents(exp_dir, trial_tokens(cfg)),
+        TrialEvents(
+            exp_dir, trial_tokens(cfg), parse_duration(cfg.sweep.budget) if cfg.sweep.budget else None
+        ),
         *tracking_callbacks(cfg, tracking_name or exp_dir.name),
     ]
     return tune.Tuner(

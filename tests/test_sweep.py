@@ -57,6 +57,27 @@ def test_sweep_completes_and_asha_stops_some_trials(finished_sweep):
     assert all(0 <= t["startup_s"] < 120 for t in trials), [t["startup_s"] for t in trials]
 
 
+def test_sweep_budget_cuts_trials_and_says_so(tiny_data, tmp_path):
+    """`sweep.budget` ends the sweep: the trials it ends are "cut by budget", not ASHA's "stopped
+    early", PRUNED in the study, announced on the console, and still count for best.toml."""
+    from experiments.results import load_trials
+
+    config = write_sweep_config(tiny_data, tmp_path, n=6, max_steps=5000)
+    storage = tmp_path / "sweeps"
+    proc = run_cli(
+        "sweep", str(config), "--name", "cut", "--storage", str(storage),
+        "--set", 'sweep.budget="15s"', "--set", "sweep.grace_tokens=100000000", timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    trials = load_trials(storage / "cut")
+    statuses = [t["status"] for t in trials]
+    assert "cut by budget" in statuses and "stopped early" not in statuses, statuses
+    assert "cut by the sweep budget" in proc.stdout
+    states = dict(study_rows(storage / "cut"))
+    assert all(states[t["trial_id"]] == "PRUNED" for t in trials if t["status"] == "cut by budget"), states
+    assert (storage / "cut" / "best.toml").is_file()
+
+
 def test_best_toml_loads_and_trains(finished_sweep, tmp_path):
     from experiments.config import load_experiment
 
