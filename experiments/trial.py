@@ -34,6 +34,10 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], runs_storage: str) -
     try:
         outcome = train_here(cfg) if is_lean(cfg) else train_ddp(cfg, runs_storage)
     except Exception as err:  # recorded with its reason; never crashes the sweep
+        from ray.tune.trainable.trainable_fn_utils import _in_tune_session
+
+        if not _in_tune_session():  # ASHA or the budget stopped it, aborting its DDP run: no error
+            return
         tune.report(
             {
                 METRIC: diverged_loss(cfg),

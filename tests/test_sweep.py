@@ -212,3 +212,22 @@ def test_bad_sweep_configs_are_one_line(tiny_data, tmp_path, override, needle):
         "sweep", str(config), "--storage", str(tmp_path / "s"), "--set", override, env=env, timeout=120
     )
     assert_user_error(proc, needle)
+
+
+@pytest.mark.slow
+def test_ddp_trial_stopped_by_asha_is_not_an_error(tiny_data, tmp_path):
+    """ASHA stopping a 2-worker trial aborts its Ray Train run inside the Tune trial: that is a
+    stop, not a failure to report (no `report ... outside a Tuner` warning, no error status)."""
+    from experiments.results import load_trials
+
+    config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=16)
+    storage = tmp_path / "sweeps"
+    proc = run_cli(
+        "sweep", str(config), "--name", "ddp", "--storage", str(storage), "--set", "resources.workers=2",
+        timeout=600,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "stopped early by ASHA" in proc.stdout, proc.stdout[-4000:]
+    assert "is meant to only be called inside" not in output
+    assert sorted(t["status"] for t in load_trials(storage / "ddp")) == ["completed", "stopped early"]
