@@ -1,19 +1,21 @@
-"""Full training-step throughput and MFU: gptcore's AdamW vs torch.optim.AdamW, same run.
+"""Full training-step throughput and MFU: fp32 vs bf16 autocast, and gptcore's AdamW vs torch's.
 
-A step is what the training loop does: forward + loss, backward, clip_grad_norm(1.0), optimizer
-step, zero_grad. Two identical models train on the same random tokens, one with each optimizer,
-steps alternating so that machine-load drift hits both alike. CPU runs in fp32, CUDA in bf16
-autocast. MFU = tokens/s * GPT.flops_per_token / peak (gptcore.mfu: measured fp32 matmul peak on
-CPU, datasheet dense bf16 peak on GPU).
+A step is what the training loop does: forward + loss (in `gptcore.train.autocast` of the
+precision), backward, clip_grad_norm(1.0), optimizer step, zero_grad. Per preset, one model per
+(precision, optimizer), all from the same init, train on the same random tokens, steps alternating
+so that machine-load drift hits all alike. MFU = tokens/s * GPT.flops_per_token / the peak of the
+variant's own precision (gptcore.mfu: measured fp32 or bf16 matmul peak on CPU, the datasheet
+dense bf16 peak on GPU, for fp32 too).
 
     python benchmarks/step.py [--device cpu|cuda] [--presets quickstart minimind-26m]
+                              [--precision fp32,bf16] [--optimizers torch,ours]
                               [--batch-size B] [--seq-len T] [--steps N] [--warmup W]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import itertools
 import statistics
 import time
 
@@ -23,6 +25,7 @@ from gptcore.config import load_config
 from gptcore.mfu import device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, param_groups
+from gptcore.train import autocast
 
 # (batch, seq_len) per preset: small on CPU so both presets finish in about a minute.
 SHAPES = {
@@ -30,12 +33,14 @@ SHAPES = {
     "cuda": {"quickstart": (64, 128), "minimind-26m": (32, 512)},
 }
 LABELS = {"torch": "torch.optim.AdamW(foreach=True)", "ours": "gptcore.optim.AdamW"}
+SHORT = {"torch": "torch AdamW", "ours": "gptcore AdamW"}
 
 
-def train_step(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+def train_step(
+    model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, precision: str
+) -> None:
     """One training step (the loop's, without grad accumulation)."""
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if x.is_cuda else contextlib.nullcontext()
-    with autocast:
+    with autocast(x.device, precision):
         _, loss = model(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -43,62 +48,94 @@ def train_step(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch
     opt.zero_grad(set_to_none=True)
 
 
+def make_optimizer(name: str, model: GPT) -> torch.optim.Optimizer:
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    if name == "torch":
+        return torch.optim.AdamW(param_groups(model, 0.1), foreach=True, **kw)
+    return AdamW(param_groups(model, 0.1), **kw)
+
+
 def bench_preset(
-    preset: str, device: torch.device, batch: int, seq_len: int, steps: int, warmup: int, peak: float
+    preset: str,
+    device: torch.device,
+    batch: int,
+    seq_len: int,
+    steps: int,
+    warmup: int,
+    variants: list[tuple[str, str]],
+    peaks: dict[str, float],
 ) -> None:
     cfg = load_config(None, [f'model.preset="{preset}"', f"model.seq_len={seq_len}"]).model
     torch.manual_seed(0)
-    models = {"torch": GPT(cfg).to(device), "ours": GPT(cfg).to(device)}
-    models["ours"].load_state_dict(models["torch"].state_dict())
-    kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    optimizers = {
-        "torch": torch.optim.AdamW(param_groups(models["torch"], 0.1), foreach=True, **kw),
-        "ours": AdamW(param_groups(models["ours"], 0.1), **kw),
-    }
+    first = GPT(cfg).to(device)
+    models = {v: GPT(cfg).to(device) for v in variants}
+    for model in models.values():
+        model.load_state_dict(first.state_dict())
+    optimizers = {v: make_optimizer(v[1], model) for v, model in models.items()}
     gen = torch.Generator(device=device).manual_seed(1)
     x, y = (
         torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen, device=device) for _ in range(2)
     )
 
-    times: dict[str, list[float]] = {name: [] for name in models}
+    times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
     for i in range(warmup + steps):
-        for name, model in models.items():
+        for v, model in models.items():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            train_step(model, optimizers[name], x, y)
+            train_step(model, optimizers[v], x, y, v[0])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[v].append(time.perf_counter() - t0)
 
-    flops = models["ours"].flops_per_token(seq_len)
+    flops = first.flops_per_token(seq_len)
     print(
-        f"{preset}: {cfg.style}, {models['ours'].num_params() / 1e6:.1f}M params, "
+        f"{preset}: {cfg.style}, {first.num_params() / 1e6:.1f}M params, "
         f"B={batch} T={seq_len}, {flops / 1e6:.1f} MFLOP/token, median of {steps} steps"
     )
-    print(f"  {'optimizer':<34}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}")
+    print(f"  {'precision':<10}{'optimizer':<34}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}")
     rate = {}
-    for name in ("torch", "ours"):
-        seconds = statistics.median(times[name])
-        rate[name] = batch * seq_len / seconds
-        util = mfu(rate[name], flops, peak)
-        shown = f"{100 * util:.1f}%" if peak > 0 else "n/a"
-        print(f"  {LABELS[name]:<34}{seconds * 1e3:>10.1f}{rate[name]:>12.0f}{shown:>8}")
-    print(f"  ratio ours/torch (tokens/s)       {rate['ours'] / rate['torch']:>10.3f}x")
+    for v in variants:
+        seconds = statistics.median(times[v])
+        rate[v] = batch * seq_len / seconds
+        util = mfu(rate[v], flops, peaks[v[0]])
+        shown = f"{100 * util:.1f}%" if peaks[v[0]] > 0 else "n/a"
+        print(f"  {v[0]:<10}{LABELS[v[1]]:<34}{seconds * 1e3:>10.1f}{rate[v]:>12.0f}{shown:>8}")
+    precisions, names = {v[0] for v in variants}, {v[1] for v in variants}
+    if precisions == {"fp32", "bf16"}:
+        for name in sorted(names):
+            ratio = rate[("bf16", name)] / rate[("fp32", name)]
+            print(f"  ratio bf16/fp32 (tokens/s), {SHORT[name]:<20}{ratio:>10.3f}x")
+    if names == {"torch", "ours"}:
+        for p in sorted(precisions, reverse=True):  # fp32 first
+            print(f"  ratio ours/torch (tokens/s), {p:<20}{rate[(p, 'ours')] / rate[(p, 'torch')]:>10.3f}x")
+
+
+def comma_list(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [s for s in items if s not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {', '.join(choices)}")
+        return items
+
+    return parse
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--presets", nargs="+", default=["quickstart", "minimind-26m"])
+    parser.add_argument("--precision", type=comma_list(("fp32", "bf16")), default=["fp32", "bf16"])
+    parser.add_argument("--optimizers", type=comma_list(("torch", "ours")), default=["torch", "ours"])
     parser.add_argument("--batch-size", type=int, default=0, help="0: a per-preset default")
     parser.add_argument("--seq-len", type=int, default=0, help="0: a per-preset default")
     parser.add_argument(
-        "--steps", type=int, default=0, help="timed steps per optimizer (0: 5 on CPU, 20 on CUDA)"
+        "--steps", type=int, default=0, help="timed steps per variant (0: 5 on CPU, 20 on CUDA)"
     )
     parser.add_argument(
-        "--warmup", type=int, default=-1, help="untimed steps per optimizer (-1: 1 on CPU, 5 on CUDA)"
+        "--warmup", type=int, default=-1, help="untimed steps per variant (-1: 1 on CPU, 5 on CUDA)"
     )
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -108,14 +145,15 @@ def main() -> None:
     steps = args.steps or (5 if on_cpu else 20)
     warmup = args.warmup if args.warmup >= 0 else (1 if on_cpu else 5)
 
-    peak, peak_desc = device_peak_flops(device)
-    precision = "fp32" if on_cpu else "bf16 autocast"
-    print(f"device {device} ({precision}); peak: {peak_desc}")
+    peaks = {}
+    for precision in args.precision:
+        peaks[precision], desc = device_peak_flops(device, precision)
+        print(f"device {device}, {precision} peak: {desc}")
+    variants = list(itertools.product(args.precision, args.optimizers))
     for preset in args.presets:
         default_batch, default_len = SHAPES["cpu" if on_cpu else "cuda"].get(preset, (8, 128))
-        bench_preset(
-            preset, device, args.batch_size or default_batch, args.seq_len or default_len, steps, warmup, peak
-        )
+        batch, seq_len = args.batch_size or default_batch, args.seq_len or default_len
+        bench_preset(preset, device, batch, seq_len, steps, warmup, variants, peaks)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+PRECISIONS = ("auto", "fp32", "bf16")  # train.precision
+
+
 @dataclass
 class ModelConfig:
     preset: str = ""
@@ -141,6 +144,9 @@ class TrainConfig:
     keep_checkpoints: int = 3  # Ray Train keeps this many (0 keeps all)
     seed: int = 1337
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N" | "mps"
+    # "auto" | "fp32" | "bf16": bf16 autocast of forward + loss over fp32 weights and optimizer
+    # state; auto is bf16 on a GPU with bf16 and on a CPU whose bf16 matmul is >= 1.5x its fp32.
+    precision: str = "auto"
     compile: bool = False
     out: str = "runs/quickstart"
     max_bad_steps: int = 5  # consecutive NaN/inf steps before a rollback
@@ -171,6 +177,7 @@ class TrainConfig:
             )
         if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
             raise UserError(f"train.device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
+        require_choice("train.precision", self.precision, PRECISIONS)
 
 
 @dataclass

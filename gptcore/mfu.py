@@ -1,10 +1,12 @@
 """Model FLOPs utilization: achieved training FLOP/s over the device's peak.
 
-MFU = tokens/s * flops_per_token / peak (PaLM, appendix B). The peak on a GPU is the dense
-(no structured sparsity) bf16 tensor-core figure from the vendor's datasheet, the convention of
-PaLM and nanoGPT, so fp32 training on a GPU reports a low MFU on purpose. A CPU has no datasheet
-figure we can look up portably, so its fp32 matmul peak is measured once per (CPU model, thread
-count, torch version) and cached on disk. Other processes busy during that one measurement lower
+MFU = tokens/s * flops_per_token / peak (PaLM, appendix B), against the peak of the precision the
+run uses (`train.precision`). The peak on a GPU is the dense (no structured sparsity) bf16
+tensor-core figure from the vendor's datasheet, the convention of PaLM and nanoGPT; an fp32 run
+on a GPU is measured against that same bf16 figure (its log says so), so it reports a low MFU on
+purpose. A CPU has no datasheet figure we can look up portably, so its fp32 and bf16 matmul peaks
+are measured once per (CPU model, thread count, torch version) and cached on disk; the two also
+decide `train.precision = "auto"` on a CPU. Other processes busy during that one measurement lower
 the figure (and inflate every later MFU): delete the cache file to measure again.
 """
 
@@ -51,28 +53,39 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 
 _CACHE_FILE = "cpu_peak_flops.json"
 _measured: dict[str, float] = {}  # this process's CPU measurements, by cache key
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def device_peak_flops(device: torch.device | str) -> tuple[float, str]:
-    """(peak FLOP/s, a description for logs); peak 0.0 means unknown, so MFU is reported n/a."""
+def device_peak_flops(device: torch.device | str, precision: str) -> tuple[float, str]:
+    """(peak FLOP/s, a description for logs) of `device` computing in `precision` ("fp32" or
+    "bf16"); peak 0.0 means unknown, so MFU is reported n/a."""
     device = torch.device(device)
+    if precision not in DTYPES:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(DTYPES)}")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         upper = name.upper()
         for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
             if key in upper:
                 peak = PEAK_BF16_FLOPS[key]
-                return peak, f"{name}: {peak / 1e12:.0f} TFLOP/s dense bf16 (datasheet)"
+                note = "" if precision == "bf16" else "; the run is fp32, so its MFU is low on purpose"
+                return peak, f"{name}: {peak / 1e12:.0f} TFLOP/s dense bf16 (datasheet){note}"
         return 0.0, f"unknown GPU {name!r}: add its peak to gptcore.mfu.PEAK_BF16_FLOPS"
     if device.type == "cpu":
-        threads = torch.get_num_threads()
-        cpu = _cpu_name()
-        peak = _cpu_peak_flops(f"{cpu}|threads={threads}|torch={torch.__version__}")
+        peak = cpu_matmul_flops(precision)
         return peak, (
-            f"{cpu}, {threads} threads: {peak / 1e9:.1f} GFLOP/s fp32 matmul (measured "
-            f"once, cached in {cache_dir() / _CACHE_FILE}; delete it to re-measure)"
+            f"{_cpu_name()}, {torch.get_num_threads()} threads: {peak / 1e9:.1f} GFLOP/s {precision} "
+            f"matmul (measured once, cached in {cache_dir() / _CACHE_FILE}; delete it to re-measure)"
         )
     return 0.0, f"no peak known for device type {device.type!r}"
+
+
+def cpu_matmul_flops(precision: str) -> float:
+    """This CPU's measured matmul FLOP/s in `precision` with torch's current thread count."""
+    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    if precision != "fp32":  # the fp32 key is the one caches written before bf16 already hold
+        key += f"|{precision}"
+    return _cpu_peak_flops(key, DTYPES[precision])
 
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops: float) -> float:
@@ -92,8 +105,8 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _cpu_peak_flops(key: str) -> float:
-    """Measured fp32 matmul FLOP/s for this key, from memory, the disk cache, or a ~1 s run."""
+def _cpu_peak_flops(key: str, dtype: torch.dtype) -> float:
+    """Measured matmul FLOP/s for this key, from memory, the disk cache, or a ~1 s run."""
     if key in _measured:
         return _measured[key]
     path = cache_dir() / _CACHE_FILE
@@ -104,7 +117,7 @@ def _cpu_peak_flops(key: str) -> float:
     if not isinstance(table, dict):
         table = {}
     if not isinstance(table.get(key), (int, float)):
-        table[key] = _measure_matmul_flops()
+        table[key] = _measure_matmul_flops(dtype=dtype)
         try:
             with atomic_file(path) as tmp:
                 tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
@@ -114,12 +127,17 @@ def _cpu_peak_flops(key: str) -> float:
     return _measured[key]
 
 
-def _measure_matmul_flops(n: int = 1024, seconds: float = 1.0) -> float:
-    """Best rate of an n x n fp32 matmul over ~`seconds`, with torch's current thread count."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
-    for _ in range(3):  # warm-up: thread pool start, page faults
+def _measure_matmul_flops(n: int = 1024, seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:
+    """Best rate of an n x n matmul in `dtype` over ~`seconds`, with torch's current thread count.
+    On a CPU without bf16 units a bf16 matmul can be 10-100x slower than fp32: the warm-up then
+    stops early, so the measurement stays within a few seconds."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    start = time.perf_counter()
+    for _ in range(3):  # warm-up: thread pool start, page faults, oneDNN kernel selection
         torch.mm(a, b, out=out)
+        if time.perf_counter() - start > seconds / 4:
+            break
     best = 0.0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:

@@ -36,7 +36,7 @@ from torch import nn
 from gptcore.config import ExperimentConfig, model_world_config, run_budget
 from gptcore.data import TokenData
 from gptcore.errors import DivergedError, UserError
-from gptcore.mfu import device_peak_flops, mfu
+from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at, param_groups
 from gptcore.tokenizer import load_tokenizer, token_byte_lengths
@@ -58,11 +58,38 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; plain fp32 elsewhere (bf16 matmul on a CPU without bf16 units is
-    ~100x slower than fp32)."""
+BF16_MIN_SPEEDUP = 1.5  # auto on a CPU: bf16 when its matmul is at least this much faster than fp32
+
+
+def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
+    """`train.precision` made concrete for `device`: ("fp32" | "bf16", why, for the first log line).
+
+    auto: bf16 on a GPU that has bf16 units; on a CPU, bf16 when its bf16 matmul measured at least
+    `BF16_MIN_SPEEDUP` x its fp32 matmul (measured once, cached with the MFU peak by
+    `gptcore.mfu`): a CPU without bf16 units (AMX, AVX512-BF16) emulates it, often slower than
+    fp32. fp32 elsewhere."""
     if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        supported = torch.cuda.is_bf16_supported(including_emulation=False)  # the current device's
+        gpu = torch.cuda.get_device_name(device)
+        if name == "bf16" and not supported:
+            raise UserError(f"train.precision=bf16 but {gpu} has no bf16 units; use fp32 or auto")
+        if name == "auto":
+            return ("bf16", f"auto: {gpu} has bf16") if supported else ("fp32", f"auto: {gpu} has no bf16")
+    elif device.type == "cpu" and name == "auto":
+        speedup = cpu_matmul_flops("bf16") / cpu_matmul_flops("fp32")
+        if speedup >= BF16_MIN_SPEEDUP:
+            return "bf16", f"auto: bf16 matmul {speedup:.1f}x fp32 on this CPU"
+        return "fp32", f"auto: bf16 matmul {speedup:.2g}x fp32 on this CPU, under {BF16_MIN_SPEEDUP}x"
+    elif name == "auto":
+        return "fp32", f"auto: bf16 is only chosen on cuda and cpu, not {device.type}"
+    return name, "set in train.precision"
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The forward + loss context of `precision`: bf16 autocast (matmuls in bf16; weights,
+    gradients and optimizer state stay fp32; the model computes its loss in fp32), or fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -145,7 +172,13 @@ class Trainer:
         budget = run_budget(cfg, world_size)
         self.tokens_per_step, self.total_steps = budget.tokens_per_step, budget.total_steps
         self.flops_per_token = self.model.flops_per_token(cfg.model.seq_len)
-        self.peak_flops, self.peak_source = device_peak_flops(self.device)
+        self.precision, self.precision_reason = resolve_precision(cfg.train.precision, self.device)
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            # Rank 0's choice for all: ranks measuring a CPU at once could land either side of auto's bar.
+            choice = [self.precision, self.precision_reason]
+            dist.broadcast_object_list(choice, src=0)
+            self.precision, self.precision_reason = choice
+        self.peak_flops, self.peak_source = device_peak_flops(self.device, self.precision)
         # UTF-8 bytes of each token id, for bits per byte on exactly the tokens evaluated.
         self.token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer(self.data.tokenizer_path))).to(
             self.device
@@ -196,7 +229,7 @@ class Trainer:
                 if last or not hasattr(self.step_model, "no_sync")
                 else self.step_model.no_sync()
             )
-            with sync, autocast(self.device):
+            with sync, autocast(self.device, self.precision):
                 _, loss = self.step_model(x, y)
                 (loss / t.grad_accum).backward()
             loss_sum += loss.detach()
@@ -272,7 +305,7 @@ class Trainer:
             world_size=self.world_size,
         ):
             x, y = x.to(self.device), y.to(self.device)
-            with autocast(self.device):
+            with autocast(self.device, self.precision):
                 _, loss = self.model(x, y)
             totals[0] += loss.double() * y.numel()
             totals[1] += y.numel()
@@ -299,8 +332,8 @@ class Trainer:
             self.log(
                 f"model: {self.model.num_params() / 1e6:.2f}M parameters, "
                 f"{self.flops_per_token / 1e6:.1f} MFLOP/token | {self.total_steps} steps x "
-                f"{self.tokens_per_step} tokens | device {self.device} "
-                f"(peak {self.peak_source})"
+                f"{self.tokens_per_step} tokens | device {self.device} | precision "
+                f"{self.precision} ({self.precision_reason}) | MFU peak {self.peak_source}"
             )
         metrics: dict[str, float] = {}
         reported_step = -1
@@ -404,6 +437,7 @@ class Trainer:
                 "tokenizer_sha256": self.data.tokenizer_sha256,
                 "metrics": dict(metrics or {}),
                 "world_size": self.world_size,
+                "precision": self.precision,  # informational: weights and optimizer are fp32
             }
         )
 
@@ -432,6 +466,12 @@ class Trainer:
             setattr(self, key, state[key])
         self.resumed_from = self.step
         self._snapshot = state
+        saved_precision = state.get("precision")  # absent from checkpoints older than the key
+        if saved_precision not in (None, self.precision):
+            self.log(
+                f"checkpoint was trained in {saved_precision}, this run is {self.precision} "
+                f"({self.precision_reason}); weights and optimizer state are fp32 in both"
+            )
 
     def _check_schedule(self, saved: ExperimentConfig, state: dict[str, Any]) -> None:
         """A resumed run keeps the lr schedule it started with: a changed optim schedule key is

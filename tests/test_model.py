@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -302,25 +303,39 @@ def test_gpu_peak_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     }
     for name, peak in cases.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d, n=name: n)
-        assert mfu_mod.device_peak_flops(torch.device("cuda"))[0] == peak, name
+        assert mfu_mod.device_peak_flops(torch.device("cuda"), "bf16")[0] == peak, name
+    # An fp32 run on a GPU keeps the bf16 datasheet peak, and its description says so.
+    peak, desc = mfu_mod.device_peak_flops(torch.device("cuda"), "fp32")
+    assert peak == 165e12 and "dense bf16 (datasheet)" in desc and "fp32" in desc
+    assert "fp32" not in mfu_mod.device_peak_flops(torch.device("cuda"), "bf16")[1]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d: "Mystery GPU 9000")
-    peak, desc = mfu_mod.device_peak_flops(torch.device("cuda"))
+    peak, desc = mfu_mod.device_peak_flops(torch.device("cuda"), "bf16")
     assert peak == 0.0 and "unknown GPU" in desc
     assert mfu_mod.mfu(1000.0, 1e9, peak) == 0.0
     assert mfu_mod.mfu(1000.0, 1e9, 1e13) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="'auto' is not one of fp32, bf16"):
+        mfu_mod.device_peak_flops("cpu", "auto")  # the trainer resolves auto first
 
 
-def test_cpu_peak_is_measured_once_and_cached_on_disk(tmp_path, monkeypatch) -> None:
+def test_cpu_peaks_are_measured_once_per_precision_and_cached_on_disk(tmp_path, monkeypatch) -> None:
+    """fp32 and bf16 each measured once, in their own dtype, then read from the cache file: the
+    MFU peak is the one of the precision in use. The fp32 key is the one older caches hold."""
     monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(mfu_mod, "_measured", {})
     calls = []
-    monkeypatch.setattr(mfu_mod, "_measure_matmul_flops", lambda: calls.append(1) or 4.2e10)
-    peak, desc = mfu_mod.device_peak_flops(torch.device("cpu"))
-    assert peak == 4.2e10 and "measured" in desc
+    rates = {torch.float32: 4.2e10, torch.bfloat16: 1.5e11}
+    monkeypatch.setattr(mfu_mod, "_measure_matmul_flops", lambda dtype: calls.append(dtype) or rates[dtype])
+    peak, desc = mfu_mod.device_peak_flops(torch.device("cpu"), "fp32")
+    assert peak == 4.2e10 and "42.0 GFLOP/s fp32 matmul (measured" in desc
+    peak, desc = mfu_mod.device_peak_flops(torch.device("cpu"), "bf16")
+    assert peak == 1.5e11 and "150.0 GFLOP/s bf16 matmul (measured" in desc
     monkeypatch.setattr(mfu_mod, "_measured", {})  # a new process: only the disk cache remains
-    assert mfu_mod.device_peak_flops("cpu")[0] == 4.2e10
-    assert len(calls) == 1
-    assert (tmp_path / "cpu_peak_flops.json").exists()
+    assert mfu_mod.device_peak_flops("cpu", "fp32")[0] == 4.2e10
+    assert mfu_mod.device_peak_flops("cpu", "bf16")[0] == 1.5e11
+    assert calls == [torch.float32, torch.bfloat16]
+    table = json.loads((tmp_path / "cpu_peak_flops.json").read_text())
+    key = f"{mfu_mod._cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    assert table == {key: 4.2e10, f"{key}|bf16": 1.5e11}
 
 
 def test_matmul_rate_is_the_fastest_timed_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,6 +345,10 @@ def test_matmul_rate_is_the_fastest_timed_run(monkeypatch: pytest.MonkeyPatch) -
 
     ticks = iter(
         [
+            0.0,  # warm-up start, then one check after each of the 3 warm-up matmuls
+            0.0,
+            0.0,
+            0.0,
             0.0,  # the deadline is read once: 0 + 1 s
             0.0,
             0.0,
@@ -342,3 +361,17 @@ def test_matmul_rate_is_the_fastest_timed_run(monkeypatch: pytest.MonkeyPatch) -
     )  # past the deadline
     monkeypatch.setattr(mfu_mod, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     assert mfu_mod._measure_matmul_flops(n=64, seconds=1.0) == pytest.approx(262_144_000)
+
+
+def test_slow_matmul_warm_up_stops_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on a CPU without bf16 units: a 64 x 64 bf16 matmul taking 0.3 s (of a 1 s budget)
+    ends the warm-up after one matmul, and one timed run sets the rate."""
+    from types import SimpleNamespace
+
+    mms = []
+    monkeypatch.setattr(mfu_mod.torch, "mm", lambda a, b, out: mms.append(a.dtype))
+    ticks = iter([0.0, 0.3, 0.3, 0.3, 0.3, 0.6, 1.4])  # start, check, deadline, loop, t0, t1, loop
+    monkeypatch.setattr(mfu_mod, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    rate = mfu_mod._measure_matmul_flops(n=64, seconds=1.0, dtype=torch.bfloat16)
+    assert rate == pytest.approx(2 * 64**3 / 0.3)
+    assert mms == [torch.bfloat16, torch.bfloat16]  # 1 warm-up + 1 timed, not 3 + 1

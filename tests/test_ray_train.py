@@ -37,7 +37,7 @@ def ray_local():
 def tiny_cfg(tiny_data, tmp_path, *overrides: str):
     path = tmp_path / "exp.toml"
     path.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
-    return load_experiment(path, ["train.num_threads=1", *overrides])
+    return load_experiment(path, ["train.num_threads=1", "train.precision=fp32", *overrides])
 
 
 def report_history(result) -> list[dict]:

@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 from gptcore import atomic, train
+from gptcore import mfu as mfu_mod
 from gptcore.checkpoint import TRAILER_BYTES, load_checkpoint, save_checkpoint
 from gptcore.config import load_config
 from gptcore.errors import DivergedError, UserError
@@ -29,9 +30,11 @@ from tests.conftest import REPO, assert_user_error, run_cli, tiny_config_text
 
 
 def make_config(tiny_data, tmp_path, *overrides: str):
+    """The tiny experiment in fp32 unless an override says otherwise: auto would pick bf16 on a CPU
+    with fast bf16 and fp32 on another, and these tests compare floats exactly."""
     path = tmp_path / "exp.toml"
     path.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
-    return load_config(path, list(overrides))
+    return load_config(path, ["train.precision=fp32", *overrides])
 
 
 def record_steps(trainer: Trainer) -> list[dict[str, float]]:
@@ -74,9 +77,12 @@ def test_grad_accumulation_matches_one_big_batch(tiny_data, tmp_path):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_resume_is_bit_identical(tiny_data, tmp_path, dropout):
-    cfg = make_config(tiny_data, tmp_path, "train.max_steps=12", f"model.dropout={dropout}")
+def test_resume_is_bit_identical(tiny_data, tmp_path, dropout, precision):
+    cfg = make_config(
+        tiny_data, tmp_path, "train.max_steps=12", f"model.dropout={dropout}", f"train.precision={precision}"
+    )
     full = Trainer(cfg, log=None)
     full_steps = record_steps(full)
     full.fit()
@@ -96,6 +102,142 @@ def test_resume_is_bit_identical(tiny_data, tmp_path, dropout):
     assert [m["loss"] for m in first_steps + second_steps] == [m["loss"] for m in full_steps]
     for a, b in zip(full.model.parameters(), second.model.parameters(), strict=True):
         assert torch.equal(a, b)
+    assert second.precision == precision
+
+
+def record_forward_dtypes(trainer: Trainer) -> list[tuple[torch.dtype, torch.dtype]]:
+    """The (logits, loss) dtypes of every forward of the training step."""
+    dtypes: list[tuple[torch.dtype, torch.dtype]] = []
+    forward = trainer.step_model.forward
+
+    def recording(*args, **kwargs):
+        logits, loss = forward(*args, **kwargs)
+        dtypes.append((logits.dtype, loss.dtype))
+        return logits, loss
+
+    trainer.step_model.forward = recording
+    return dtypes
+
+
+def test_bf16_tracks_the_fp32_loss_curve(tiny_data, tmp_path):
+    """The same 20 steps from the same init in fp32 and in bf16 autocast. bf16 keeps 8 significant
+    bits (unit roundoff 2^-9 = 0.2%), but the loss is an fp32 mean over 128 tokens of an fp32
+    cross-entropy, so the rounding of bf16 logits mostly averages out: the curves differ by at
+    most 5e-4 relative on a Xeon with AMX. 1% per step (5x the unit roundoff) leaves room for
+    other CPUs' bf16 kernels, while a run whose bf16 step learns differently (say a gradient lost
+    in a cast) drifts out of it within 20 steps; and the curves must differ: bf16 must be in use."""
+    curves, dtypes, trainers = {}, {}, {}
+    for precision in ("fp32", "bf16"):
+        cfg = make_config(tiny_data, tmp_path, "train.max_steps=20", f"train.precision={precision}")
+        trainers[precision] = Trainer(cfg, log=None)
+        dtypes[precision] = record_forward_dtypes(trainers[precision])
+        curves[precision] = [trainers[precision].train_step()["loss"] for _ in range(20)]
+    assert set(dtypes["fp32"]) == {(torch.float32, torch.float32)}
+    assert set(dtypes["bf16"]) == {(torch.bfloat16, torch.float32)}  # matmuls bf16, loss fp32
+    for losses in curves.values():
+        assert sum(losses[-5:]) / 5 < losses[0] - 1.0  # both learn: ln 384 = 5.95 to ~4
+    assert curves["bf16"] != curves["fp32"]
+    for step, (a, b) in enumerate(zip(curves["fp32"], curves["bf16"], strict=True)):
+        assert b == pytest.approx(a, rel=1e-2), step
+    bf16 = trainers["bf16"]  # master weights and optimizer state stay fp32
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
+    moments = [v for state in bf16.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    assert moments and {v.dtype for v in moments if v.is_floating_point()} == {torch.float32}
+
+
+def test_a_bf16_checkpoint_is_fp32_and_loads_into_an_fp32_trainer(tiny_data, tmp_path):
+    bf16 = Trainer(make_config(tiny_data, tmp_path, "train.precision=bf16"), log=None)
+    bf16.fit(stop_at_step=4)
+    path = save_checkpoint(tmp_path / "bf16.pt", bf16.state_dict())
+    state = load_checkpoint(path)
+    assert state["precision"] == "bf16"
+    assert {t.dtype for t in state["model"].values()} == {torch.float32}
+    moments = [v for s in state["optimizer"]["state"].values() for v in s.values() if torch.is_tensor(v)]
+    assert moments and {v.dtype for v in moments if v.is_floating_point()} == {torch.float32}
+    logs: list[str] = []
+    fp32 = Trainer(make_config(tiny_data, tmp_path, "train.precision=fp32"), log=logs.append)
+    fp32.load_state_dict(state)
+    assert "checkpoint was trained in bf16, this run is fp32 (set in train.precision)" in logs[0]
+    for a, b in zip(bf16.model.parameters(), fp32.model.parameters(), strict=True):
+        assert b.dtype == torch.float32 and torch.equal(a, b)
+    # Evaluation follows the precision too: the same weights, close but not equal losses.
+    val_bf16, val_fp32 = bf16.evaluate()["val_loss"], fp32.evaluate()["val_loss"]
+    assert val_bf16 != val_fp32 and val_bf16 == pytest.approx(val_fp32, rel=1e-2)
+    result = fp32.fit()
+    assert fp32.step == 12 and math.isfinite(result["val_loss"]) and result["val_loss"] < val_fp32
+
+
+def fake_cpu_matmul(monkeypatch, tmp_path, bf16_speedup: float) -> list[torch.dtype]:
+    """A fresh cache folder and a fake matmul measurement: fp32 100 GFLOP/s, bf16 `bf16_speedup`
+    times that. Returns the dtypes measured (nothing is timed)."""
+    monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(mfu_mod, "_measured", {})
+    measured: list[torch.dtype] = []
+    rates = {torch.float32: 1e11, torch.bfloat16: bf16_speedup * 1e11}
+    monkeypatch.setattr(
+        mfu_mod, "_measure_matmul_flops", lambda dtype: measured.append(dtype) or rates[dtype]
+    )
+    return measured
+
+
+@pytest.mark.parametrize(
+    "speedup, precision, reason",
+    [
+        (3.9, "bf16", "auto: bf16 matmul 3.9x fp32 on this CPU"),
+        (1.5, "bf16", "auto: bf16 matmul 1.5x fp32 on this CPU"),
+        (1.4, "fp32", "auto: bf16 matmul 1.4x fp32 on this CPU, under 1.5x"),
+        (0.05, "fp32", "auto: bf16 matmul 0.05x fp32 on this CPU, under 1.5x"),
+    ],
+)
+def test_auto_precision_on_cpu_follows_the_measured_bf16_speedup(
+    tiny_data, tmp_path, monkeypatch, speedup, precision, reason
+):
+    measured = fake_cpu_matmul(monkeypatch, tmp_path, speedup)
+    logs: list[str] = []
+    trainer = Trainer(make_config(tiny_data, tmp_path, "train.precision=auto"), log=logs.append)
+    assert (trainer.precision, trainer.precision_reason) == (precision, reason)
+    assert sorted(measured, key=str) == [torch.bfloat16, torch.float32]  # each measured once
+    # MFU is against the peak of the precision chosen.
+    assert trainer.peak_flops == (speedup * 1e11 if precision == "bf16" else 1e11)
+    assert f"{precision} matmul (measured" in trainer.peak_source
+    trainer.fit(stop_at_step=1)
+    assert f"| precision {precision} ({reason}) | MFU peak " in logs[0]
+    # Another process on this machine: the cached measurement decides, nothing is measured again.
+    monkeypatch.setattr(mfu_mod, "_measured", {})
+    monkeypatch.setattr(mfu_mod, "_measure_matmul_flops", lambda dtype: pytest.fail("measured again"))
+    assert train.resolve_precision("auto", torch.device("cpu")) == (precision, reason)
+
+
+def test_explicit_precision_is_kept_and_auto_elsewhere_is_fp32(tmp_path, monkeypatch):
+    measured = fake_cpu_matmul(monkeypatch, tmp_path, 0.05)
+    cpu = torch.device("cpu")
+    assert train.resolve_precision("bf16", cpu) == ("bf16", "set in train.precision")  # even if slow
+    assert train.resolve_precision("fp32", cpu) == ("fp32", "set in train.precision")
+    assert measured == []  # only auto needs the measurement
+    assert train.resolve_precision("auto", torch.device("mps"))[0] == "fp32"
+
+
+def test_auto_precision_on_a_gpu_is_bf16_where_it_has_bf16_units(monkeypatch):
+    """No GPU needed: torch.cuda's answers are faked."""
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "NVIDIA H100 80GB HBM3")
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kw: asked.append(kw) or True)
+    assert train.resolve_precision("auto", gpu) == ("bf16", "auto: NVIDIA H100 80GB HBM3 has bf16")
+    assert train.resolve_precision("fp32", gpu) == ("fp32", "set in train.precision")
+    assert asked[0] == {"including_emulation": False}  # emulated bf16 is slower than fp32
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kw: False)
+    assert train.resolve_precision("auto", gpu) == ("fp32", "auto: Tesla V100-SXM2-16GB has no bf16")
+    with pytest.raises(UserError, match="train.precision=bf16 but Tesla V100-SXM2-16GB has no bf16"):
+        train.resolve_precision("bf16", gpu)
+
+
+def test_unknown_precision_is_refused(tiny_data, tmp_path):
+    with pytest.raises(
+        UserError, match=r"^train.precision='bf8' is not one of auto, fp32, bf16; did you mean"
+    ):
+        make_config(tiny_data, tmp_path, 'train.precision="bf8"')
 
 
 def test_training_lowers_validation_loss(tiny_data, tmp_path):
@@ -398,6 +540,7 @@ def test_cli_train_local_then_sample(tiny_data, tmp_path):
         (["model.max_positions=16"], "seq_len=32 is larger than the model's positions"),
         (["model.vocab_size=512"], "has a 384-token tokenizer but model.vocab_size=512"),
         (['optim.schedule="cosin"'], "did you mean cosine?"),
+        (['train.precision="fp16"'], "train.precision='fp16' is not one of auto, fp32, bf16"),
     ],
 )
 def test_cli_bad_config_is_one_line(tiny_data, tmp_path, overrides, needle):
