@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.config import RayExperiment
+from experiments.experiment import STUDY_FILE, study_url
 from experiments.report.data import write
 from experiments.results import short_params
 from experiments.space import Space
@@ -80,15 +81,14 @@ def draw_importance(figure: Any, exp_dir: Path, cfg: RayExperiment, out_dir: Pat
     about what mattered. Every trial with reports is compared instead at the largest token count
     that all of them reached (ASHA's first rung, when it stopped some), by its validation loss
     there: Optuna's PED-ANOVA on that common budget."""
-    db = exp_dir / "optuna.db"
     (out_dir / "importance.png").unlink(missing_ok=True)  # never leave a stale one behind
-    if not cfg.sweep.storage_url and not db.exists():
-        return "No optuna.db in the experiment folder (the sweep has not finished), so no importances."
+    if not cfg.sweep.storage_url and not (exp_dir / STUDY_FILE).exists():
+        return f"No {STUDY_FILE} in the experiment folder (no trial has started), so no importances."
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.load_study(study_name=exp_dir.name, storage=cfg.sweep.storage_url or f"sqlite:///{db}")
+        study = optuna.load_study(study_name=exp_dir.name, storage=study_url(cfg, exp_dir))
         common, at_common = _at_common_budget(study.trials)
         if len(at_common.trials) < 2:
             return (
