@@ -445,11 +445,7 @@ class Trainer:
         """Resume from a checkpoint: weights, optimizer, progress and guard state. Refuses one
         from another model shape, tokenizer or lr schedule (see `_check_schedule`)."""
         saved = model_world_config(state["config"])
-        diff = [
-            f"{k}: {getattr(saved.model, k)} vs {getattr(self.cfg.model, k)}"
-            for k in SHAPE_KEYS
-            if getattr(saved.model, k) != getattr(self.cfg.model, k)
-        ]
+        diff = _differences(saved.model, self.cfg.model, SHAPE_KEYS, "")
         if diff:
             raise UserError(
                 f"checkpoint is from another model shape ({'; '.join(diff)}); "
@@ -477,11 +473,7 @@ class Trainer:
         """A resumed run keeps the lr schedule it started with: a changed optim schedule key is
         refused, and so is another run length unless `train.extend` asks for it (the schedule
         is then recomputed for the new length from the checkpoint's step on)."""
-        diff = [
-            f"optim.{k}: {getattr(saved.optim, k)} vs {getattr(self.cfg.optim, k)}"
-            for k in SCHEDULE_KEYS
-            if getattr(saved.optim, k) != getattr(self.cfg.optim, k)
-        ]
+        diff = _differences(saved.optim, self.cfg.optim, SCHEDULE_KEYS, "optim.")
         if diff:
             raise UserError(
                 f"checkpoint was trained with another lr schedule ({'; '.join(diff)});"
@@ -511,6 +503,15 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+
+
+def _differences(saved: Any, current: Any, keys: tuple[str, ...], prefix: str) -> list[str]:
+    """`prefix+key: saved vs current` for each of `keys` whose value differs."""
+    return [
+        f"{prefix}{k}: {getattr(saved, k)} vs {getattr(current, k)}"
+        for k in keys
+        if getattr(saved, k) != getattr(current, k)
+    ]
 
 
 def _to_cpu(value: Any) -> Any:
