@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPUs)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out is up to date")
+    p.add_argument(
+        "--sft",
+        action="store_true",
+        help='conversations for SFT: chat .jsonl files ({"conversations": [{"role", "content"}, ...]} '
+        "per line), or with --corpus shakespeare the built-in toy set; needs --tokenizer "
+        "(the pretraining data's tokenizer.json)",
+    )
     p.set_defaults(handler=_prepare)
 
     p = sub.add_parser(
@@ -202,6 +209,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    if args.sft:
+        from gptcore.chat_data import prepare_sft, sft_conversations
+
+        if not args.tokenizer:
+            raise UserError(
+                "--sft needs --tokenizer: the tokenizer.json of the data the model was pretrained on"
+            )
+        conversations, source = sft_conversations(args.input or [], args.corpus)
+        prepare_sft(
+            conversations,
+            source=source,
+            tokenizer=args.tokenizer,
+            out=args.out,
+            val_fraction=args.val_fraction,
+        )
+        return 0
     from gptcore.prepare import prepare
 
     prepare(

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1  # meta.json's format_version: what prepare writes and TokenData reads
 VOCAB_LIMIT = 1 << 16  # uint16 shards hold ids 0..65535, so a vocabulary of up to 65536 tokens
+IGNORE_INDEX = -1  # a target the loss skips (SFT: tokens of prompts, not of assistant turns)
 
 
 def cache_dir() -> Path:

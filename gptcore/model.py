@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptcore.config import ModelConfig
+from gptcore.data import IGNORE_INDEX
 
 
 class KVCache:
@@ -226,28 +227,20 @@ class GPT(nn.Module):
         return self.norm_f(x)
 
     def forward(
-        self,
-        idx: Tensor,
-        targets: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        loss_mask: Tensor | None = None,
+        self, idx: Tensor, targets: Tensor | None = None, kv_cache: KVCache | None = None
     ) -> tuple[Tensor, Tensor | None]:
         """Logits (B, T, vocab) and, given targets, the mean cross-entropy.
 
-        `targets` are already shifted by the loader (targets[:, t] is the token after idx[:, t]),
-        so the loss covers every position. `loss_mask` (B, T), bool or float, restricts the mean
-        to the marked positions (SFT: assistant tokens only). The loss is computed in fp32 even
-        under bf16 autocast.
+        `targets` are already shifted by the loader (targets[:, t] is the token after idx[:, t]).
+        The mean is over the targets that are not IGNORE_INDEX (SFT skips prompt tokens), and is 0
+        when every target is skipped. The loss is computed in fp32 even under bf16 autocast.
         """
         logits = self.lm_head(self._hidden(idx, kv_cache))
         if targets is None:
             return logits, None
         flat_logits, flat_targets = logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
-        if loss_mask is None:
-            return logits, F.cross_entropy(flat_logits, flat_targets)
-        per_token = F.cross_entropy(flat_logits, flat_targets, reduction="none")
-        weights = loss_mask.reshape(-1).to(per_token.dtype)
-        return logits, (per_token * weights).sum() / weights.sum().clamp_min(1.0)
+        total = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        return logits, total / (flat_targets != IGNORE_INDEX).sum().clamp_min(1)
 
     @torch.no_grad()
     def generate(

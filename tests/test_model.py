@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from gptcore import mfu as mfu_mod
 from gptcore.config import ModelConfig
+from gptcore.data import IGNORE_INDEX
 from gptcore.errors import UserError
 from gptcore.hf import to_hf_state_dict
 from gptcore.model import GPT, KVCache
@@ -122,7 +123,7 @@ def test_future_tokens_do_not_change_earlier_logits(style: str) -> None:
 # ---------------------------------------------------------------- loss
 
 
-def test_loss_is_cross_entropy_over_all_positions_and_mask_selects() -> None:
+def test_loss_is_cross_entropy_over_all_positions_and_ignored_targets_are_skipped() -> None:
     model = build(tiny("llama"), jitter=0.05)
     idx, targets = tokens((3, 16), seed=1), tokens((3, 16), seed=2)
     logits, loss = model(idx, targets)
@@ -130,12 +131,12 @@ def test_loss_is_cross_entropy_over_all_positions_and_mask_selects() -> None:
     torch.testing.assert_close(loss, expected)
     per_token = F.cross_entropy(logits.view(-1, V), targets.view(-1), reduction="none").view(3, 16)
 
-    mask = torch.zeros(3, 16, dtype=torch.bool)
-    mask[:, 9:] = True
-    _, masked = model(idx, targets, loss_mask=mask)
+    prompt_skipped = targets.clone()
+    prompt_skipped[:, :9] = IGNORE_INDEX  # SFT: only the answer's targets count
+    _, masked = model(idx, prompt_skipped)
     torch.testing.assert_close(masked, per_token[:, 9:].mean())
-    _, all_ones = model(idx, targets, loss_mask=torch.ones(3, 16))
-    torch.testing.assert_close(all_ones, loss)
+    _, nothing = model(idx, torch.full_like(targets, IGNORE_INDEX))
+    assert nothing.item() == 0.0  # no target left: a zero loss, not 0/0
     masked.backward()  # the masked loss is differentiable
     assert model.tok_emb.weight.grad is not None
 
