@@ -26,7 +26,7 @@ from experiments.cluster import (
     verify_shared_storage,
 )
 from experiments.config import RayExperiment, experiment_from_dict
-from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, resolve_checkpoint_path, save_checkpoint
 from gptcore.errors import DivergedError, UserError
 from gptcore.train import open_data
 
@@ -170,11 +170,15 @@ def build_trainer(
 
 
 def checked_for_workers(cfg: RayExperiment) -> RayExperiment:
-    """Check the data in the driver (a bad input would otherwise fail every worker restart) and
-    make its path absolute, since workers do not share the driver's working directory."""
+    """Check the data and `train.init_from` in the driver (a bad input would otherwise fail every
+    worker restart) and make their paths absolute, since workers do not share the driver's
+    working directory."""
     open_data(cfg)
     raw = cfg.to_dict()
     raw["data"]["dir"] = str(Path(cfg.data.dir).expanduser().resolve())
+    if cfg.train.init_from:
+        raw["train"]["init_from"] = str(resolve_checkpoint_path(cfg.train.init_from).resolve())
+        load_checkpoint(raw["train"]["init_from"])  # exists and is intact
     return experiment_from_dict(raw)
 
 

@@ -12,7 +12,7 @@ import difflib
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, TypeVar, get_origin, get_type_hints
 
 import tomli_w
 import tomllib
@@ -35,6 +35,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 PRECISIONS = ("auto", "fp32", "bf16")  # train.precision
+STAGES = ("pretrain", "sft")  # train.stage
 
 
 @dataclass
@@ -153,6 +154,9 @@ class TrainConfig:
     max_rollbacks: int = 3  # rollbacks before the run stops as diverged
     num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     extend: bool = False  # a resume may change the run's length (the lr schedule follows)
+    # "pretrain" (documents) | "sft" (conversations from `gptrun prepare --sft`: loss on assistant turns)
+    stage: str = "pretrain"
+    init_from: str = ""  # a checkpoint whose weights start the run (same shape and tokenizer), e.g. for SFT
 
     def validate(self) -> None:
         for key in (
@@ -178,6 +182,26 @@ class TrainConfig:
         if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
             raise UserError(f"train.device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
         require_choice("train.precision", self.precision, PRECISIONS)
+        require_choice("train.stage", self.stage, STAGES)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA: low-rank adapters on frozen weights (rank > 0 turns it on; the recipe uses 8 and 16).
+
+    `targets` name linears inside each block: "attn" / "mlp" take all of that part's linears,
+    "attn.qkv", "attn.proj", "mlp.fc", "mlp.proj", "mlp.gate", "mlp.up" one each."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: list[str] = field(default_factory=lambda: ["attn", "mlp"])
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise UserError(f"lora.rank={self.rank} must be >= 0 (0 turns LoRA off)")
+        require_positive("lora.alpha", self.alpha)
+        if not self.targets:
+            raise UserError('lora.targets is empty; name linears to adapt, e.g. ["attn", "mlp"]')
 
 
 @dataclass
@@ -187,12 +211,17 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> ExperimentConfig:
         for section in fields(self):
             check = getattr(getattr(self, section.name), "validate", None)
             if check is not None:
                 check()
+        if self.lora.rank and not self.train.init_from:
+            raise UserError(
+                "lora.rank > 0 needs train.init_from: the checkpoint whose frozen weights the adapters adapt"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -305,6 +334,10 @@ def _coerce(key: str, want: Any, value: Any) -> Any:
     elif want is str:
         if isinstance(value, str):
             return value
+    elif get_origin(want) is list:  # list[str]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise UserError(f"config key {key} must be a list of strings, got {value!r}")
     elif isinstance(value, dict):  # dict[str, Any]
         return value
     type_name = getattr(want, "__name__", str(want))

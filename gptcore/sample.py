@@ -7,20 +7,17 @@ from pathlib import Path
 import torch
 
 from gptcore.checkpoint import load_checkpoint
-from gptcore.config import model_world_config
 from gptcore.errors import UserError
+from gptcore.lora import model_from_state
 from gptcore.model import GPT
 from gptcore.tokenizer import EOT, file_sha256, load_tokenizer
 from gptcore.train import resolve_device
 
 
 def load_model(checkpoint: str | Path, device: torch.device) -> tuple[GPT, dict]:
-    """The model of a checkpoint, in eval mode, with the checkpoint's state."""
+    """The model of a checkpoint (LoRA adapters merged), in eval mode, with the checkpoint's state."""
     state = load_checkpoint(checkpoint)
-    cfg = model_world_config(state["config"])
-    model = GPT(cfg.model)
-    model.load_state_dict(state["model"])
-    return model.to(device).eval(), state
+    return model_from_state(state).to(device).eval(), state
 
 
 def sample_cli(

@@ -33,9 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gptcore.chat_data import ChatData, open_prepared
+from gptcore.checkpoint import load_checkpoint
 from gptcore.config import ExperimentConfig, model_world_config, run_budget
-from gptcore.data import TokenData
+from gptcore.data import IGNORE_INDEX, TokenData
 from gptcore.errors import DivergedError, UserError
+from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
 from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at, param_groups
@@ -126,8 +129,15 @@ def hold_interrupts() -> Iterator[None]:
 
 
 def open_data(cfg: ExperimentConfig) -> TokenData:
-    """The prepared data of `cfg`, checked against the model it will feed."""
-    data = TokenData(cfg.data.dir)
+    """The prepared data of `cfg`, checked against the model and the stage it will feed."""
+    data = open_prepared(cfg.data.dir)
+    kind = "sft" if isinstance(data, ChatData) else "pretrain"
+    if kind != cfg.train.stage:
+        holds = "conversations (gptrun prepare --sft)" if kind == "sft" else "documents, not conversations"
+        raise UserError(
+            f"train.stage={cfg.train.stage!r} but data folder {cfg.data.dir} holds {holds}; set "
+            f"train.stage={kind!r} or point data.dir at {'SFT' if kind == 'pretrain' else 'pretraining'} data"
+        )
     if data.vocab_size != cfg.model.vocab_size:
         raise UserError(
             f"data folder {cfg.data.dir} has a {data.vocab_size}-token tokenizer but "
@@ -157,7 +167,14 @@ class Trainer:
             torch.set_num_threads(cfg.train.num_threads)
         torch.manual_seed(cfg.train.seed)
         self.data = open_data(cfg)
-        self.model = GPT(cfg.model).to(self.device)
+        self.model = GPT(cfg.model)
+        self.lora_base: dict[str, str] | None = None  # a LoRA run's base checkpoint (path, sha256)
+        if cfg.train.init_from:
+            self._init_from(cfg.train.init_from)
+        if cfg.lora.rank:
+            lora_summary = add_lora(self.model, cfg.lora)
+            self.lora_base = base_record(cfg.train.init_from)
+        self.model.to(self.device)
         self.step_model = self.model  # what train_step calls: DDP and/or torch.compile wrap it
         if cfg.train.compile:
             self.step_model = torch.compile(self.step_model)
@@ -195,6 +212,25 @@ class Trainer:
         self.best_val_loss = math.inf
         self.resumed_from = 0  # the step this process started at (0 for a fresh run)
         self._snapshot: dict[str, Any] | None = None  # last checkpoint, for rollbacks
+        if cfg.train.init_from:
+            self.log(f"weights from {cfg.train.init_from}" + (f" | {lora_summary}" if cfg.lora.rank else ""))
+
+    def _init_from(self, path: str) -> None:
+        """Start from a checkpoint's weights (a LoRA one merged): same shape and tokenizer, fresh
+        optimizer and schedule. The SFT stage starts this way from a pretrained model."""
+        state = load_checkpoint(path)
+        diff = _differences(model_world_config(state["config"]).model, self.cfg.model, SHAPE_KEYS, "")
+        if diff:
+            raise UserError(
+                f"train.init_from {path} is another model shape ({'; '.join(diff)}); "
+                "use the [model] section of the run that wrote it"
+            )
+        if state["tokenizer_sha256"] != self.data.tokenizer_sha256:
+            raise UserError(
+                f"train.init_from {path} was trained with another tokenizer than {self.cfg.data.dir}'s; "
+                "prepare the data with --tokenizer set to the pretraining data's tokenizer.json"
+            )
+        self.model.load_state_dict(model_from_state(state).state_dict())
 
     # ---------------------------------------------------------------- the training step
     def train_step(self) -> dict[str, float]:
@@ -307,9 +343,10 @@ class Trainer:
             x, y = x.to(self.device), y.to(self.device)
             with autocast(self.device, self.precision):
                 _, loss = self.model(x, y)
-            totals[0] += loss.double() * y.numel()
-            totals[1] += y.numel()
-            totals[2] += self.token_bytes[y].sum()
+            counted = y != IGNORE_INDEX  # SFT evaluates assistant tokens only
+            totals[0] += loss.double() * counted.sum()
+            totals[1] += counted.sum()
+            totals[2] += (self.token_bytes[y.clamp_min(0)] * counted).sum()
         if self.world_size > 1:
             dist.all_reduce(totals)
         nats, count, nbytes = totals.tolist()
@@ -423,7 +460,7 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return copy.deepcopy(
             {
-                "model": {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()},
+                "model": self._weights(),
                 "optimizer": _to_cpu(self.optimizer.state_dict()),
                 "step": self.step,
                 "batch_index": self.batch_index,
@@ -438,8 +475,15 @@ class Trainer:
                 "metrics": dict(metrics or {}),
                 "world_size": self.world_size,
                 "precision": self.precision,  # informational: weights and optimizer are fp32
+                **({"lora_base": self.lora_base} if self.lora_base else {}),
             }
         )
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint stores of the model: all weights, or a LoRA run's adapters alone."""
+        if self.lora_base:
+            return adapter_weights(self.model)
+        return {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a checkpoint: weights, optimizer, progress and guard state. Refuses one
@@ -455,6 +499,11 @@ class Trainer:
             raise UserError(
                 f"checkpoint was trained with another tokenizer than the one in "
                 f"{self.cfg.data.dir}; point data.dir at the original data folder"
+            )
+        if state.get("lora_base", {}).get("sha256") != (self.lora_base or {}).get("sha256"):
+            raise UserError(
+                "checkpoint's LoRA base differs from this run's train.init_from and [lora]; "
+                "use a new train.out folder or the checkpoint's config"
             )
         self._check_schedule(saved, state)
         self._restore_weights(state)
@@ -497,7 +546,10 @@ class Trainer:
 
     def _restore_weights(self, state: dict[str, Any]) -> None:
         """What a rollback restores: model, optimizer, step and RNG states, not the guard."""
-        self.model.load_state_dict(state["model"])
+        if self.lora_base:
+            load_adapters(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
         torch.set_rng_state(state["rng"]["torch"])

@@ -148,3 +148,52 @@ def finished_sweep(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) ->
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "best trial" in proc.stdout and "best.toml" in proc.stdout
     return folder / "sweeps" / "finished"
+
+
+def chat_conversation(rng: random.Random) -> list[dict[str, str]]:
+    words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    messages = [{"role": "user", "content": f"KING: {words(rng.randint(2, 5))}"}]
+    messages.append({"role": "assistant", "content": f"QUEEN: {words(rng.randint(2, 6))}"})
+    if rng.random() < 0.3:
+        messages.insert(0, {"role": "system", "content": "Answer as the queen."})
+    return messages
+
+
+def write_chat_jsonl(path: Path, n: int = 200, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    path.write_text("".join(json.dumps({"conversations": chat_conversation(rng)}) + "\n" for _ in range(n)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_data(tiny_data, tmp_path_factory) -> Path:
+    """An SFT data folder (`prepare --sft`) of 200 synthetic conversations, with tiny_data's tokenizer."""
+    from gptcore.chat_data import prepare_sft
+
+    root = tmp_path_factory.mktemp("chat")
+    source = write_chat_jsonl(root / "chat.jsonl")
+    conversations = [json.loads(line)["conversations"] for line in source.read_text().splitlines()]
+    out = root / "data"
+    prepare_sft(
+        conversations,
+        source={"path": str(source)},
+        tokenizer=tiny_data / "tokenizer.json",
+        out=out,
+        progress=False,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def pretrained(tiny_data, tmp_path_factory) -> Path:
+    """A checkpoint of the tiny model after a few pretraining steps (the base for SFT tests)."""
+    from gptcore.checkpoint import save_checkpoint
+    from gptcore.config import load_config
+    from gptcore.train import Trainer
+
+    root = tmp_path_factory.mktemp("pretrained")
+    config = root / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, root / "run"))
+    trainer = Trainer(load_config(config, ["train.precision=fp32", "train.max_steps=8"]), log=None)
+    trainer.fit()
+    return save_checkpoint(root / "base.pt", trainer.state_dict())

@@ -165,3 +165,21 @@ def test_ctrl_c_keeps_the_checkpoint_and_the_same_command_resumes(tiny_data, tmp
     rerun = run_cli(*command, "--set", "train.max_steps=40", "--set", "train.extend=true", timeout=300)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"resumed from checkpoint at step {kept}/" in rerun.stdout + rerun.stderr
+
+
+def test_sft_with_lora_runs_as_ddp_on_two_workers(ray_local, chat_data, pretrained, tmp_path, monkeypatch):
+    from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint
+
+    monkeypatch.chdir(pretrained.parent)  # a relative init_from is resolved in the driver
+    path = tmp_path / "sft.toml"
+    path.write_text(tiny_config_text(chat_data, tmp_path / "run", stage="sft", init_from=pretrained.name))
+    cfg = load_experiment(
+        path, ["train.num_threads=1", "lora.rank=4", "resources.workers=2", "train.max_steps=8"]
+    )
+    storage = tmp_path / "storage"
+    assert train_on_ray(cfg, address=None, storage=str(storage), name="sft", max_failures=0) == 0
+    last = max((p for p in (storage / "sft").glob("checkpoint_*") if p.is_dir()), key=lambda p: p.name)
+    state = load_checkpoint(last / CHECKPOINT_FILE)
+    assert state["world_size"] == 2 and state["step"] == 8
+    assert state["model"] and all(".lora_" in k for k in state["model"])
+    assert state["lora_base"]["path"] == str(pretrained.resolve())

@@ -231,3 +231,21 @@ def test_ddp_trial_stopped_by_asha_is_not_an_error(tiny_data, tmp_path):
     assert "stopped early by ASHA" in proc.stdout, proc.stdout[-4000:]
     assert "is meant to only be called inside" not in output
     assert sorted(t["status"] for t in load_trials(storage / "ddp")) == ["completed", "stopped early"]
+
+
+def test_an_sft_sweep_over_lr_runs_from_a_pretrained_checkpoint(chat_data, pretrained, tmp_path):
+    """SFT in a sweep: every trial starts from `train.init_from` and learns the assistant turns;
+    best.toml keeps the stage and the checkpoint, ready to train."""
+    from experiments.results import load_trials
+
+    config = write_sweep_config(chat_data, tmp_path, n=3, max_steps=8, sweep_keys="max_concurrent = 1")
+    storage = tmp_path / "sweeps"
+    proc = run_cli(
+        "sweep", str(config), "--name", "sft", "--storage", str(storage), "--set", 'train.stage="sft"',
+        "--set", f'train.init_from="{pretrained}"', "--set", "lora.rank=4", timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    trials = load_trials(storage / "sft")
+    assert len(trials) == 3 and all(t["status"] in ("completed", "stopped early") for t in trials), trials
+    best = (storage / "sft" / "best.toml").read_text()
+    assert 'stage = "sft"' in best and str(pretrained) in best and "rank = 4" in best
