@@ -32,11 +32,10 @@ TRAILER_BYTES = len(TRAILER_MAGIC) + hashlib.sha256().digest_size
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     """Write `state` atomically and durably (temp file, fsync, rename) with its checksum trailer."""
     path = Path(path)
-    with atomic_file(path) as tmp:
-        torch.save({**state, "format": FORMAT}, tmp)
-        digest = _sha256(tmp, tmp.stat().st_size)
-        with open(tmp, "ab") as f:
-            f.write(TRAILER_MAGIC + digest)
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        hashing = _HashingWriter(f)  # hashes the payload as it is written: no second pass
+        torch.save({**state, "format": FORMAT}, hashing)
+        f.write(TRAILER_MAGIC + hashing.digest.digest())
     return path
 
 
@@ -96,6 +95,21 @@ def _sha256(path: Path, size: int) -> bytes:
 
 def _damaged(path: Path, reason: str) -> UserError:
     return UserError(f"damaged checkpoint {path}: {reason}; use an earlier checkpoint or retrain")
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that feeds every byte to a sha256 on its way to `f`."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        super().__init__()
+        self.f, self.digest = f, hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self.f.write(data)
 
 
 class _Prefix(io.RawIOBase):
