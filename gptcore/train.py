@@ -372,6 +372,10 @@ class Trainer:
                 f"{self.tokens_per_step} tokens | device {self.device} | precision "
                 f"{self.precision} ({self.precision_reason}) | MFU peak {self.peak_source}"
             )
+            if t.init_from:  # the starting point, so that the log shows what fine-tuning gained
+                self.log(
+                    f"eval step 0 (weights of train.init_from) | val loss {self.evaluate()['val_loss']:.4f}"
+                )
         metrics: dict[str, float] = {}
         reported_step = -1
         window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
