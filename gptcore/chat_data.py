@@ -37,7 +37,7 @@ from gptcore.chat import (
     require_chat_tokens,
     toy_conversations,
 )
-from gptcore.data import FORMAT_VERSION, IGNORE_INDEX, TokenData
+from gptcore.data import FORMAT_VERSION, IGNORE_INDEX, TokenData, draw
 from gptcore.errors import UserError
 from gptcore.tokenizer import file_sha256, save_tokenizer
 
@@ -88,19 +88,9 @@ class ChatData(TokenData):
         seq_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `TokenData.train_batch`, but each window starts at a conversation."""
-        if not (0 <= micro < grad_accum and 0 <= rank < world_size):
-            raise ValueError(
-                f"micro={micro} rank={rank} outside grad_accum={grad_accum} world_size={world_size}"
-            )
-        counts = np.array([len(s) for s in self._starts["train"]], dtype=np.int64)
-        ends = np.cumsum(counts)
-        rng = np.random.default_rng([seed, step])
-        picks = rng.integers(0, ends[-1], size=grad_accum * world_size * batch_size)
-        first = (micro * world_size + rank) * batch_size
-        picks = picks[first : first + batch_size]
-        shard_of = np.searchsorted(ends, picks, side="right")
-        conversation = picks - (ends[shard_of] - counts[shard_of])
-        return self._windows("train", zip(shard_of, conversation, strict=True), seq_len)
+        counts = [len(s) for s in self._starts["train"]]
+        picks = draw(counts, seed, step, micro, rank, world_size, batch_size, grad_accum)
+        return self._windows("train", picks, seq_len)
 
     def num_val_windows(self, seq_len: int, eval_tokens: int) -> int:
         """One window per val conversation, from the first, for about eval_tokens tokens (>= 1)."""

@@ -108,26 +108,15 @@ class TokenData:
         One global draw of grad_accum * world_size * batch_size windows per (seed, step),
         uniform over every window that fits inside a shard; (micro, rank) takes its slice.
         """
-        if not (0 <= micro < grad_accum and 0 <= rank < world_size):
-            raise ValueError(
-                f"micro={micro} rank={rank} outside grad_accum={grad_accum} world_size={world_size}"
-            )
         shards = self._shards["train"]
-        starts_per_shard = np.array([max(len(s) - seq_len, 0) for s in shards], dtype=np.int64)
-        ends = np.cumsum(starts_per_shard)
-        if not len(ends) or ends[-1] == 0:
+        starts_per_shard = [max(len(s) - seq_len, 0) for s in shards]
+        if not sum(starts_per_shard):
             raise UserError(
                 f"train split of {self.dir} has no shard longer than seq_len+1 = "
                 f"{seq_len + 1} tokens; use a smaller seq_len or more data"
             )
-        rng = np.random.default_rng([seed, step])
-        picks = rng.integers(0, ends[-1], size=grad_accum * world_size * batch_size)
-        first = (micro * world_size + rank) * batch_size
-        picks = picks[first : first + batch_size]
-        shard_of = np.searchsorted(ends, picks, side="right")
-        offsets = picks - (ends[shard_of] - starts_per_shard[shard_of])
-        windows = np.stack([shards[k][o : o + seq_len + 1] for k, o in zip(shard_of, offsets, strict=True)])
-        return _shifted(windows)
+        picks = draw(starts_per_shard, seed, step, micro, rank, world_size, batch_size, grad_accum)
+        return _shifted(np.stack([shards[k][o : o + seq_len + 1] for k, o in picks]))
 
     def num_val_windows(self, seq_len: int, eval_tokens: int) -> int:
         """How many seq_len+1 windows (stride seq_len) of val the first eval_tokens hold (>= 1)."""
@@ -155,6 +144,32 @@ class TokenData:
         for i in range(0, len(mine), batch_size):
             starts = [w * seq_len for w in mine[i : i + batch_size]]
             yield _shifted(np.stack([tokens[s : s + seq_len + 1] for s in starts]))
+
+
+def draw(
+    counts: list[int],
+    seed: int,
+    step: int,
+    micro: int,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    grad_accum: int,
+) -> list[tuple[int, int]]:
+    """(shard, index in shard) for each of one micro-batch's windows, out of `counts[k]` choices
+    in shard k: one global uniform draw of grad_accum * world_size * batch_size per (seed, step),
+    of which (micro, rank) takes its slice."""
+    if not (0 <= micro < grad_accum and 0 <= rank < world_size):
+        raise ValueError(f"micro={micro} rank={rank} outside grad_accum={grad_accum} world_size={world_size}")
+    sizes = np.array(counts, dtype=np.int64)
+    ends = np.cumsum(sizes)
+    picks = np.random.default_rng([seed, step]).integers(
+        0, ends[-1], size=grad_accum * world_size * batch_size
+    )
+    first = (micro * world_size + rank) * batch_size
+    picks = picks[first : first + batch_size]
+    shard_of = np.searchsorted(ends, picks, side="right")
+    return list(zip(shard_of.tolist(), (picks - (ends[shard_of] - sizes[shard_of])).tolist(), strict=True))
 
 
 def _shifted(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -219,17 +219,12 @@ class Trainer:
         """Start from a checkpoint's weights (a LoRA one merged): same shape and tokenizer, fresh
         optimizer and schedule. The SFT stage starts this way from a pretrained model."""
         state = load_checkpoint(path)
-        diff = _differences(model_world_config(state["config"]).model, self.cfg.model, SHAPE_KEYS, "")
-        if diff:
-            raise UserError(
-                f"train.init_from {path} is another model shape ({'; '.join(diff)}); "
-                "use the [model] section of the run that wrote it"
-            )
-        if state["tokenizer_sha256"] != self.data.tokenizer_sha256:
-            raise UserError(
-                f"train.init_from {path} was trained with another tokenizer than {self.cfg.data.dir}'s; "
-                "prepare the data with --tokenizer set to the pretraining data's tokenizer.json"
-            )
+        self._check_fits(
+            state,
+            f"train.init_from {path}",
+            shape_fix="use the [model] section of the run that wrote it",
+            tokenizer_fix="prepare the data with --tokenizer set to the pretraining data's tokenizer.json",
+        )
         self.model.load_state_dict(model_from_state(state).state_dict())
 
     # ---------------------------------------------------------------- the training step
@@ -492,18 +487,13 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a checkpoint: weights, optimizer, progress and guard state. Refuses one
         from another model shape, tokenizer or lr schedule (see `_check_schedule`)."""
+        self._check_fits(
+            state,
+            "checkpoint",
+            shape_fix="use a new train.out folder or the checkpoint's config",
+            tokenizer_fix="point data.dir at the original data folder",
+        )
         saved = model_world_config(state["config"])
-        diff = _differences(saved.model, self.cfg.model, SHAPE_KEYS, "")
-        if diff:
-            raise UserError(
-                f"checkpoint is from another model shape ({'; '.join(diff)}); "
-                "use a new train.out folder or the checkpoint's config"
-            )
-        if state["tokenizer_sha256"] != self.data.tokenizer_sha256:
-            raise UserError(
-                f"checkpoint was trained with another tokenizer than the one in "
-                f"{self.cfg.data.dir}; point data.dir at the original data folder"
-            )
         if state.get("lora_base", {}).get("sha256") != (self.lora_base or {}).get("sha256"):
             raise UserError(
                 "checkpoint's LoRA base differs from this run's train.init_from and [lora]; "
@@ -520,6 +510,17 @@ class Trainer:
             self.log(
                 f"checkpoint was trained in {saved_precision}, this run is {self.precision} "
                 f"({self.precision_reason}); weights and optimizer state are fp32 in both"
+            )
+
+    def _check_fits(self, state: dict[str, Any], source: str, *, shape_fix: str, tokenizer_fix: str) -> None:
+        """Refuse weights of another model shape or tokenizer than this run's."""
+        diff = _differences(model_world_config(state["config"]).model, self.cfg.model, SHAPE_KEYS, "")
+        if diff:
+            raise UserError(f"{source} is from another model shape ({'; '.join(diff)}); {shape_fix}")
+        if state["tokenizer_sha256"] != self.data.tokenizer_sha256:
+            raise UserError(
+                f"{source} was trained with another tokenizer than the one in {self.cfg.data.dir}; "
+                f"{tokenizer_fix}"
             )
 
     def _check_schedule(self, saved: ExperimentConfig, state: dict[str, Any]) -> None:
