@@ -89,7 +89,7 @@ class TokenData:
 
     def __reduce__(self) -> tuple:
         """Pickle as the folder path: memory maps would otherwise be copied whole (Ray)."""
-        return (TokenData, (self.dir,))
+        return (type(self), (self.dir,))
 
     def train_batch(
         self,
