@@ -28,8 +28,6 @@ from gptcore.tokenizer import EOT, IM_END, IM_START, render_chat
 from gptcore.train import Trainer
 from tests.conftest import assert_user_error, run_cli, synthetic_documents, tiny_config_text
 
-pytest.importorskip("transformers")
-
 STYLES = {
     "gpt2": [],
     "llama": ['model.style="llama"', "model.n_head=4", "model.n_kv_head=2", "model.rope_theta=500.0"],
