@@ -20,6 +20,8 @@ examples:
   gptrun train experiments/configs/quickstart.toml --local
   gptrun train experiments/configs/quickstart.toml --workers 2
   gptrun sample runs/quickstart/checkpoints/last.pt --prompt "ROMEO:"
+  gptrun sample runs/quickstart-sft/checkpoints/best.pt --chat --interactive
+  gptrun export runs/quickstart/checkpoints/best.pt --hf exports/quickstart
   gptrun plan experiments/configs/quickstart.toml
   gptrun sweep experiments/configs/quickstart.toml --name demo
   gptrun resume sweeps/demo
@@ -129,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(p)
     p.set_defaults(handler=_train)
 
-    p = sub.add_parser("sample", help="generate text from a checkpoint")
-    p.add_argument("checkpoint", help="a .pt checkpoint written by gptrun train")
+    p = sub.add_parser("sample", help="generate text from a checkpoint, or chat with it")
+    p.add_argument(
+        "checkpoint", help="a .pt checkpoint written by gptrun train, or a Ray Train checkpoint folder"
+    )
     p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -144,10 +148,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep sampling past <|endoftext|> (the end of a training document)",
     )
     p.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat: --prompt is the user's message; prints the assistant's reply (up to <|im_end|>)",
+    )
+    p.add_argument("--system", default=None, help="with --chat: a system message before the conversation")
+    p.add_argument(
+        "--interactive",
+        action="store_true",
+        help="with --chat: read the user's turns from stdin, one per line, until EOF",
+    )
+    p.add_argument(
         "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
     )
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=_sample)
+
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model folder",
+        description="Write a checkpoint as a Hugging Face folder: safetensors weights, config.json "
+        "(GPT2LMHeadModel or LlamaForCausalLM), generation_config.json and the tokenizer with its "
+        "special tokens and chat template; transformers loads it offline with "
+        "AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR).",
+    )
+    p.add_argument(
+        "checkpoint", help="a .pt checkpoint written by gptrun train, or a Ray Train checkpoint folder"
+    )
+    p.add_argument("--hf", required=True, metavar="DIR", help="the folder to write (must be new or empty)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
+    )
+    p.add_argument("--force", action="store_true", help="replace a non-empty --hf folder")
+    p.set_defaults(handler=_export)
 
     p = sub.add_parser("plan", help="what a sweep will cost, before it runs")
     p.add_argument("config")
@@ -285,6 +318,20 @@ def _sample(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         device=args.device,
         ignore_eos=args.ignore_eos,
+        chat=args.chat,
+        system=args.system,
+        interactive=args.interactive,
+    )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from gptcore.export import export_hf
+
+    hf_model = export_hf(args.checkpoint, args.hf, tokenizer=args.tokenizer, force=args.force)
+    print(
+        f"exported {type(hf_model).__name__} ({hf_model.num_parameters():,} parameters) and its "
+        f"tokenizer to {args.hf}; load it with AutoModelForCausalLM.from_pretrained({args.hf!r})"
     )
     return 0
 

@@ -38,10 +38,15 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp folder beside `path`; on success its contents are fsynced and it replaces
-    `path` (then the parent folder is fsynced); on error it is removed."""
+    `path` (then the parent folder is fsynced); on error it is removed. The folder gets the
+    permissions `mkdir` would give it (mkdtemp's are owner-only), so others can read what is
+    shared (a data folder on a cluster, an exported model)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
     try:
         yield tmp
         fsync_tree(tmp)

@@ -115,15 +115,9 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike) -> Path:
     path = out_dir / "tokenizer.json"
     tok.save(str(path))
 
-    def present(token: str) -> str:
-        return token if tok.token_to_id(token) is not None else EOT
-
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": present(IM_START),
-        "eos_token": present(IM_END),
-        "pad_token": EOT,
-        "unk_token": EOT,
+        **hf_special_tokens(tok),
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
@@ -132,6 +126,28 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike) -> Path:
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def hf_special_tokens(tok: Tokenizer) -> dict[str, str]:
+    """The special tokens transformers is told about, MiniMind's choice: a chat turn opens with
+    <|im_start|> (bos) and ends with <|im_end|> (eos); <|endoftext|> pads, and stands in for the
+    unknown token a byte-level BPE never emits. A tokenizer without the chat tokens (one reused
+    with --tokenizer) falls back to <|endoftext|>."""
+
+    def present(token: str) -> str:
+        return token if tok.token_to_id(token) is not None else EOT
+
+    return {"bos_token": present(IM_START), "eos_token": present(IM_END), "pad_token": EOT, "unk_token": EOT}
+
+
+def require_chat_tokens(tok: Tokenizer, path: str | os.PathLike) -> None:
+    """Refuse a tokenizer that cannot write the chat template (chat sampling, export)."""
+    missing = [t for t in (IM_START, IM_END) if tok.token_to_id(t) is None]
+    if missing:
+        raise UserError(
+            f"tokenizer {path} has no {' or '.join(missing)} token, which the chat template needs; "
+            "use a tokenizer trained by gptrun prepare"
+        )
 
 
 def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False) -> str:

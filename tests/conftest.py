@@ -33,12 +33,17 @@ def synthetic_documents(n_docs: int = 120, seed: int = 0) -> list[str]:
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, timeout: float = 300, env: dict[str, str] | None = None
+    *args: str,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    stdin: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run `python -m experiments ARGS` as a user would, capturing output."""
+    """Run `python -m experiments ARGS` as a user would, capturing output (`stdin`: piped in)."""
     return subprocess.run(
         [sys.executable, "-m", "experiments", *args],
         cwd=cwd or REPO,
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=timeout,
