@@ -67,16 +67,6 @@ def check_conversation(record: object, where: str) -> Conversation:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def require_chat_tokens(tok: Tokenizer, path: str | Path) -> None:
-    """Refuse a tokenizer that cannot write the chat template."""
-    missing = [t for t in (IM_START, IM_END) if tok.token_to_id(t) is None]
-    if missing:
-        raise UserError(
-            f"tokenizer {path} has no {' or '.join(missing)} token, which the chat template needs; "
-            "use a tokenizer trained by gptrun prepare"
-        )
-
-
 def encode_conversations(
     tok: Tokenizer, conversations: list[Conversation]
 ) -> list[tuple[list[int], list[int]]]:

@@ -34,12 +34,11 @@ from gptcore.chat import (
     Conversation,
     encode_conversations,
     read_conversations,
-    require_chat_tokens,
     toy_conversations,
 )
 from gptcore.data import FORMAT_VERSION, IGNORE_INDEX, TokenData, draw
 from gptcore.errors import UserError
-from gptcore.tokenizer import file_sha256, save_tokenizer
+from gptcore.tokenizer import file_sha256, require_chat_tokens, save_tokenizer
 
 if TYPE_CHECKING:
     import torch

@@ -265,3 +265,21 @@ def test_cli_pretrain_then_sft_then_sample(chat_data, pretrained, tmp_path):
     missing = tmp_path / "none.pt"
     config.write_text(tiny_config_text(chat_data, tmp_path / "run2", stage="sft", init_from=str(missing)))
     assert_user_error(run_cli("train", str(config), "--local"), "none.pt")
+
+
+def test_a_lora_checkpoint_exports_merged(chat_data, pretrained, tmp_path, monkeypatch):
+    """The exported Hugging Face model gives the LoRA model's logits (adapters merged)."""
+    import transformers
+
+    from gptcore.export import export_hf
+
+    trainer = Trainer(sft_config(chat_data, pretrained, tmp_path, "lora.rank=4", "optim.lr=1e-2"), log=None)
+    trainer.fit()
+    path = save_checkpoint(tmp_path / "lora.pt", trainer.state_dict())
+    export_hf(path, tmp_path / "hf")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 384, (2, SEQ))
+    trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(x).logits, trainer.model(x)[0], atol=1e-5, rtol=0)
