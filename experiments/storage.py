@@ -30,7 +30,7 @@ def shown_url(url: str) -> str:
 
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - an unparsable URL is reported by rdb_storage
+    except Exception:  # an unparsable URL: rdb_storage says what is wrong with it
         return url
 
 

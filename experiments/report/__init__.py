@@ -1,8 +1,8 @@
 """`gptrun report`: a sweep as a terminal table, parquet/CSV files, PNG plots, one static
 report.html and best.toml, and the optuna-dashboard command that opens the sweep's study. It
 starts no Ray cluster (it reads the sweep's files, and its study for the importance plot), so it
-works on a running or interrupted sweep too. `data` builds the rows and writes the tables, `plots` draws the
-figures, `page` writes the HTML; `report_cli` runs them in that order."""
+works on a running or interrupted sweep too. `data` builds the rows and writes the tables,
+`plots` draws the figures, `page` writes the HTML; `report_cli` runs them in that order."""
 
 from __future__ import annotations
 
