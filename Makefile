@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-services lint bench clean
 
 install: $(VENV)/.installed
 
@@ -26,8 +26,18 @@ demo: install
 	$(BIN)/gptrun sweep experiments/configs/quickstart.toml --name demo --storage sweeps --restart
 	$(BIN)/gptrun report sweeps/demo
 
-test: install
+test: install test-services
 	$(BIN)/python -m pytest -q tests
+
+# tests/test_backends.py starts a real PostgreSQL server (initdb + pg_ctl in a temp folder): install
+# Debian's server package when its binaries are missing (needs root and apt, as on CI). Without
+# them those tests fail with the reason; they are never skipped.
+PG_INITDB = $(wildcard $(addsuffix /initdb,$(shell pg_config --bindir 2>/dev/null) /usr/lib/postgresql/*/bin))
+test-services:
+	@if [ -n "$(PG_INITDB)" ] || command -v initdb >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; \
+	else echo "note: no PostgreSQL server binaries; run 'apt-get install postgresql' as root" >&2; fi
 
 lint: install
 	$(BIN)/ruff check .

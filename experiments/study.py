@@ -24,6 +24,7 @@ from typing import Any
 
 from ray.tune.search.optuna import OptunaSearch
 
+from experiments.storage import rdb_storage, shown_url
 from gptcore.errors import UserError
 
 TUNE_ID = "tune_trial_id"
@@ -76,24 +77,6 @@ class StudySearch(OptunaSearch):
         self._completed_trials.add(trial_id)
 
 
-def rdb_storage(url: str) -> Any:
-    """An Optuna RDB storage, or one line naming what is wrong with the URL."""
-    import optuna
-
-    try:
-        return optuna.storages.RDBStorage(url)
-    except ModuleNotFoundError as err:
-        raise UserError(
-            f"sweep.storage_url {url}: needs the database driver {err.name!r} "
-            "(pip install it, e.g. psycopg2-binary for postgresql://)"
-        ) from None
-    except Exception as err:  # SQLAlchemy raises many types for bad URLs and refused connections
-        raise UserError(
-            f"sweep.storage_url {url}: cannot open the Optuna storage "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
-        ) from None
-
-
 def check_new_study(url: str, name: str, replace: bool) -> None:
     """A new sweep never takes over another study: a study of this name in a shared database
     is refused unless `--restart` asked to replace this experiment (then only it is deleted)."""
@@ -105,7 +88,7 @@ def check_new_study(url: str, name: str, replace: bool) -> None:
         return
     if not replace:
         raise UserError(
-            f"the Optuna storage {url} already holds a study named {name!r}; pick "
+            f"the Optuna storage {shown_url(url)} already holds a study named {name!r}; pick "
             "another --name, or pass --restart to replace that experiment"
         )
     optuna.delete_study(study_name=name, storage=storage)

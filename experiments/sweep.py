@@ -34,6 +34,7 @@ from experiments.experiment import (
 )
 from experiments.results import best_config, load_trials, print_table, print_trial_costs
 from experiments.space import Space, parse_space
+from experiments.storage import shown_url
 from experiments.train import checked_for_workers
 from experiments.tuner import new_tuner, restore_tuner, tracking_callbacks
 from gptcore.atomic import write_text_atomic
@@ -104,7 +105,7 @@ def run_sweep(plan: SweepPlan) -> int:
         f"sweep {exp_dir}: {cfg.sweep.num_samples} trials, {width} at a time, "
         f"{trial_tokens(cfg):,} tokens each, ASHA grace {grace_tokens(cfg):,} tokens"
         f"{', budget ' + cfg.sweep.budget if cfg.sweep.budget else ''}; study "
-        f"{study_url(cfg, exp_dir)}",
+        f"{shown_url(study_url(cfg, exp_dir))}",
         flush=True,
     )
     new_tuner(cfg, plan.space, exp_dir, width).fit()

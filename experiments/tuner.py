@@ -56,7 +56,7 @@ def new_tuner(
         TrialEvents(
             exp_dir, trial_tokens(cfg), parse_duration(cfg.sweep.budget) if cfg.sweep.budget else None
         ),
-        *tracking_callbacks(cfg, tracking_name or exp_dir.name),
+        *tracking_callbacks(cfg, tracking_name or exp_dir.name, exp_dir),
     ]
     return tune.Tuner(
         trainable(cfg, space, exp_dir),
@@ -105,7 +105,8 @@ def search_config(cfg: RayExperiment, space: Space, exp_dir: Path) -> Any:
     from ray import tune
 
     from experiments.events import RecordingASHA
-    from experiments.study import StudySearch, rdb_storage
+    from experiments.storage import rdb_storage
+    from experiments.study import StudySearch
 
     points = [space.baseline(cfg)] if cfg.sweep.baseline else None
     sampler = optuna.samplers.TPESampler(
@@ -137,10 +138,11 @@ def search_config(cfg: RayExperiment, space: Space, exp_dir: Path) -> Any:
     )
 
 
-def tracking_callbacks(cfg: RayExperiment, experiment: str) -> list[Any]:
+def tracking_callbacks(cfg: RayExperiment, experiment: str, folder: Path | None = None) -> list[Any]:
     """MLflow / W&B loggers from `[tracking]`, empty unless the user set them (no network call
     otherwise). They run in the Tune driver on each trial's results, which are rank 0's reports;
-    each trial is one MLflow run / W&B run in the experiment's name / group."""
+    each trial is one MLflow run / W&B run in the experiment's name / group. W&B's run folders go
+    to `folder/wandb/` (the experiment folder), where `wandb sync` finds runs made offline."""
     callbacks: list[Any] = []
     if cfg.tracking.mlflow_uri:
         _require_extra("mlflow", "mlflow")
@@ -155,10 +157,28 @@ def tracking_callbacks(cfg: RayExperiment, experiment: str) -> list[Any]:
         )
     if cfg.tracking.wandb_project:
         _require_extra("wandb", "wandb")
+        _require_wandb_login()
         from ray.air.integrations.wandb import WandbLoggerCallback
 
-        callbacks.append(WandbLoggerCallback(project=cfg.tracking.wandb_project, group=experiment))
+        init: dict[str, Any] = {"dir": str(folder)} if folder else {}
+        if os.environ.get("WANDB_MODE"):  # the logging actors may run under a raylet's env, not ours
+            init["mode"] = os.environ["WANDB_MODE"]
+        callbacks.append(WandbLoggerCallback(project=cfg.tracking.wandb_project, group=experiment, **init))
     return callbacks
+
+
+def _require_wandb_login() -> None:
+    """Ray's W&B logger fails after Ray has started without a key; say so before, as one line."""
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled") or os.environ.get("WANDB_API_KEY"):
+        return
+    import wandb
+
+    if wandb.login(prompt=False, verify=False):  # a key from `wandb login` or a settings file
+        return
+    raise UserError(
+        "[tracking] wandb_project needs a W&B login: set WANDB_API_KEY (or run `wandb login`), or "
+        "WANDB_MODE=offline to keep the runs in the experiment folder and `wandb sync` them later"
+    )
 
 
 def _require_extra(module: str, extra: str) -> None:

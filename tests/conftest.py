@@ -61,6 +61,24 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
+def study_trials(url: str, name: str) -> list[tuple[str, str]]:
+    """(Tune trial id, Optuna state) of every trial of study `name`, read with plain SQL from its
+    database (sqlite or a server), not through the code under test."""
+    import sqlalchemy
+
+    query = sqlalchemy.text(
+        "select a.value_json, t.state from trials t join studies s on s.study_id = t.study_id "
+        "join trial_user_attributes a on a.trial_id = t.trial_id "
+        "where s.study_name = :name and a.key = 'tune_trial_id'"
+    )
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.connect() as db:
+            return [(json.loads(tid), str(state)) for tid, state in db.execute(query, {"name": name})]
+    finally:
+        engine.dispose()
+
+
 def committed_step(run_dir: Path) -> int:
     """The step of the latest checkpoint Ray Train has committed for a run (0 if none yet).
 

@@ -115,6 +115,7 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
     proc = run_cli("report", str(finished_sweep), "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "val_loss" in proc.stdout and "best trial" in proc.stdout
+    assert f"study: optuna-dashboard sqlite:///{(finished_sweep / 'optuna.db').resolve()}\n" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1].endswith(str(out / "report.html"))
     for name in (*FILES, "importance.png"):  # the fixture finished, so optuna.db exists
         assert (out / name).is_file(), name

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_user_error, run_cli, write_sweep_config
+from tests.conftest import REPO, assert_user_error, run_cli, study_trials, write_sweep_config
 
 pytestmark = pytest.mark.ray
 
@@ -44,14 +43,7 @@ def test_sweep_completes_and_asha_stops_some_trials(finished_sweep):
     # Trial 0 is the baseline: the config's own values.
     baseline = [t for t in trials if t["config"].get("optim.lr") == pytest.approx(3e-3)]
     assert baseline, [t["config"] for t in trials]
-    # The study holds every trial once, with its Tune id; ASHA's stops are PRUNED, not COMPLETE.
-    states = dict(study_rows(finished_sweep))
-    assert sorted(states) == sorted(t["trial_id"] for t in trials)
-    for t in trials:
-        assert states[t["trial_id"]] == ("PRUNED" if t["status"] == "stopped early" else "COMPLETE"), (
-            t,
-            states,
-        )
+    assert_asha_stops_pruned(trials, study_rows(finished_sweep))
     # Each trial ran on this machine's node, and its fixed cost was measured.
     assert {len(t["node_id"]) for t in trials} == {56}, [t["node_id"] for t in trials]
     assert all(0 <= t["startup_s"] < 120 for t in trials), [t["startup_s"] for t in trials]
@@ -104,14 +96,27 @@ def test_existing_name_points_to_resume(finished_sweep):
 
 def study_rows(exp_dir: Path) -> list[tuple[str, str]]:
     """(Tune trial id, Optuna state) of every trial in the experiment's sqlite study."""
-    with sqlite3.connect(exp_dir / "optuna.db") as db:
-        return [
-            (json.loads(tid), state)
-            for tid, state in db.execute(
-                "select a.value_json, t.state from trials t join trial_user_attributes a "
-                "on a.trial_id = t.trial_id where a.key = 'tune_trial_id'"
-            )
-        ]
+    return study_trials(f"sqlite:///{exp_dir / 'optuna.db'}", exp_dir.name)
+
+
+def assert_asha_stops_pruned(trials: list[dict], rows: list[tuple[str, str]]) -> None:
+    """The study holds every trial once, with its Tune id; ASHA's stops are PRUNED, not COMPLETE."""
+    states = dict(rows)
+    assert sorted(tid for tid, _ in rows) == sorted(t["trial_id"] for t in trials), (rows, trials)
+    for t in trials:
+        assert states[t["trial_id"]] == ("PRUNED" if t["status"] == "stopped early" else "COMPLETE"), (
+            t,
+            states,
+        )
+
+
+def assert_resumed_study(rows: list[tuple[str, str]], after: dict) -> None:
+    """After a kill and a resume, each Tune trial is in the study once and finished; a trial asked
+    by the killed driver before Tune saved it is FAIL (Tune asked again for a new one)."""
+    live = [tid for tid, state in rows if state != "FAIL"]
+    assert sorted(live) == sorted(after), (rows, sorted(after))  # each Tune trial once
+    assert {state for tid, state in rows if tid in after} == {"COMPLETE"}, rows
+    assert "RUNNING" not in {state for _, state in rows}, rows
 
 
 def kill_when_interrupted(args: list[str], exp_dir: Path, steps: int, every: int) -> dict:
@@ -188,11 +193,7 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(tiny_data, tmp_
         newest = recs[-1]["step"] if workers == 1 else steps
         assert 0 < resumed[0]["resumed_from"] <= newest, (recs[-1], resumed[0])
         assert resumed[0]["resumed_from"] >= recs[-1]["step"] - 3 * every, (recs[-1], resumed[0])
-    rows = study_rows(exp_dir)
-    live = [tid for tid, state in rows if state != "FAIL"]
-    assert sorted(live) == sorted(after), (rows, sorted(after))  # each Tune trial once
-    assert {state for tid, state in rows if tid in after} == {"COMPLETE"}, rows
-    assert "RUNNING" not in {state for _, state in rows}, rows
+    assert_resumed_study(study_rows(exp_dir), after)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """`gptrun report`: a sweep as a terminal table, parquet/CSV files, PNG plots, one static
-report.html and best.toml. It reads files only (no Ray cluster, no server), so it works on a
-running or interrupted sweep too. `data` builds the rows and writes the tables, `plots` draws the
-figures, `page` writes the HTML; `report_cli` runs them in that order."""
+report.html and best.toml, and the optuna-dashboard command that opens the sweep's study. It
+starts no Ray cluster (it reads the sweep's files, and its study for the importance plot), so it
+works on a running or interrupted sweep too. `data` builds the rows and writes the tables,
+`plots` draws the figures, `page` writes the HTML; `report_cli` runs them in that order."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from pathlib import Path
 
 from experiments.config import load_experiment
 from experiments.confirm import print_noise
+from experiments.experiment import STUDY_FILE, study_url
 from experiments.report.data import best_trial, read_noise, trial_rows, write, write_tables
 from experiments.report.page import baseline_note, html_page, noise_html
 from experiments.report.plots import draw_importance, draw_noise, draw_sweep, figure_factory
 from experiments.results import best_config, load_curves, load_trials, print_table
 from experiments.space import parse_space
+from experiments.storage import dashboard_command
 
 
 def report_cli(experiment_dir: str, out: str | None) -> int:
@@ -41,6 +44,8 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
         (out_dir / "best.toml").unlink(missing_ok=True)
         print("no trial has finished without error yet; no best.toml written")
 
+    if cfg.sweep.storage_url or (exp_dir / STUDY_FILE).exists():
+        print(f"study: {dashboard_command(study_url(cfg, exp_dir))}")
     draw_sweep(figure, trials, curves, space, best["trial_id"] if best else None, out_dir)
     importance_note = draw_importance(figure, exp_dir, cfg, out_dir)
     noise = read_noise(exp_dir)

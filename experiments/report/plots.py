@@ -13,6 +13,7 @@ from experiments.experiment import STUDY_FILE, study_url
 from experiments.report.data import write
 from experiments.results import short_params
 from experiments.space import Space
+from experiments.storage import rdb_storage
 from gptcore.errors import UserError
 
 PLOTS = (
@@ -88,7 +89,7 @@ def draw_importance(figure: Any, exp_dir: Path, cfg: RayExperiment, out_dir: Pat
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.load_study(study_name=exp_dir.name, storage=study_url(cfg, exp_dir))
+        study = optuna.load_study(study_name=exp_dir.name, storage=rdb_storage(study_url(cfg, exp_dir)))
         common, at_common = _at_common_budget(study.trials)
         if len(at_common.trials) < 2:
             return (
@@ -97,7 +98,7 @@ def draw_importance(figure: Any, exp_dir: Path, cfg: RayExperiment, out_dir: Pat
         importances = optuna.importance.get_param_importances(
             at_common, evaluator=optuna.importance.PedAnovaImportanceEvaluator()
         )
-    except (KeyError, ValueError, RuntimeError) as err:
+    except (KeyError, ValueError, RuntimeError, UserError) as err:  # UserError: the server is down
         return f"Importances could not be computed: {err}"
     fig, ax = figure()
     ax.barh(list(importances)[::-1], list(importances.values())[::-1], color="tab:blue")
