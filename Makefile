@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install demo test test-services lint bench clean
+.PHONY: install demo chat-demo test test-services lint bench clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,32 @@ demo: install
 	$(BIN)/gptrun prepare --corpus shakespeare --out data/shakespeare
 	$(BIN)/gptrun sweep experiments/configs/quickstart.toml --name demo --storage sweeps --restart
 	$(BIN)/gptrun report sweeps/demo
+
+# Load an exported folder with transformers, offline, and generate a chat reply greedily.
+define HF_GENERATE
+import sys, transformers
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+tok = transformers.AutoTokenizer.from_pretrained(sys.argv[1])
+chat = [{"role": "user", "content": "Hamlet in Hamlet: To be, or not to be, that is the question:"}]
+ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+out = model.generate(**ids, max_new_tokens=60, do_sample=False)
+print("transformers:", tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+endef
+export HF_GENERATE
+
+# The rest of the recipe on the built-in data: pretrain, SFT with LoRA on the toy conversations,
+# a chat reply, export to Hugging Face and generate with transformers (offline).
+chat-demo: install
+	$(BIN)/gptrun prepare --corpus shakespeare --out data/shakespeare
+	$(BIN)/gptrun train experiments/configs/quickstart.toml --local
+	$(BIN)/gptrun prepare --corpus shakespeare --sft --tokenizer data/shakespeare/tokenizer.json \
+		--out data/shakespeare-chat
+	$(BIN)/gptrun train experiments/configs/quickstart-sft.toml --local \
+		--set lora.rank=8 --set optim.lr=1e-3 --set train.out=runs/quickstart-lora
+	$(BIN)/gptrun sample runs/quickstart-lora/checkpoints/best.pt --chat \
+		--prompt "Romeo in Romeo and Juliet: But soft, what light through yonder window breaks?"
+	$(BIN)/gptrun export runs/quickstart-lora/checkpoints/best.pt --hf exports/quickstart-lora --force
+	HF_HUB_OFFLINE=1 $(BIN)/python -c "$$HF_GENERATE" exports/quickstart-lora
 
 test: install test-services
 	$(BIN)/python -m pytest -q tests
@@ -44,4 +70,4 @@ lint: install
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) data runs sweeps
+	rm -rf $(VENV) data runs sweeps exports

@@ -2,13 +2,14 @@
 
 A targeted linear computes `W x + (alpha / rank) * B (A x)`. A (rank x in) starts Kaiming-uniform
 and B (out x rank) at zero, so step 0 is exactly the base model. Only A and B train, so the
-optimizer state and the checkpoints hold the adapters alone; a checkpoint names its base (path and
-sha256), and `model_from_state` rebuilds the base, adds the adapters and merges them into plain
-linears, which is what `gptrun sample` and `gptrun export` use.
+optimizer state and the checkpoints hold the adapters alone; a checkpoint names its base (path
+and the hash of its weights), and `model_from_state` rebuilds the base, adds the adapters and
+merges them into plain linears, which is what `gptrun sample` and `gptrun export` use.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,6 @@ from gptcore.checkpoint import load_checkpoint, resolve_checkpoint_path
 from gptcore.config import LoraConfig, model_world_config
 from gptcore.errors import UserError
 from gptcore.model import GPT
-from gptcore.tokenizer import file_sha256
 
 
 class LoRALinear(nn.Module):
@@ -105,20 +105,33 @@ def load_adapters(model: nn.Module, weights: dict[str, Tensor]) -> None:
         )
 
 
-def base_record(path: str | Path) -> dict[str, str]:
-    """How a LoRA checkpoint names its base: the absolute path and the file's sha256."""
-    file = resolve_checkpoint_path(path).resolve()
-    return {"path": str(file), "sha256": file_sha256(file)}
+def weights_sha256(weights: dict[str, Tensor]) -> str:
+    """sha256 of a model's weights (names and fp32 values): what a LoRA checkpoint's base must
+    hold. Weights rather than file bytes, so a base checkpoint saved again unchanged still fits."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode() + b"\0")
+        digest.update(weights[name].detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
-def load_base(record: dict[str, str]) -> dict[str, Any]:
-    """The base checkpoint a LoRA checkpoint names, checked to be the very file it was trained on."""
+def base_record(path: str | Path, weights: dict[str, Tensor]) -> dict[str, str]:
+    """How a LoRA checkpoint names its base: the checkpoint's absolute path and its weights' hash."""
+    return {"path": str(resolve_checkpoint_path(path).resolve()), "weights_sha256": weights_sha256(weights)}
+
+
+def load_base(record: dict[str, str]) -> dict[str, Tensor]:
+    """The weights of the base a LoRA checkpoint names, checked to be the ones it was trained on."""
     path = Path(record["path"])
     if not path.is_file():
         raise UserError(f"this LoRA checkpoint needs its base checkpoint {path}, which is missing")
-    if file_sha256(path) != record["sha256"]:
-        raise UserError(f"base checkpoint {path} has changed since the LoRA adapters were trained on it")
-    return load_checkpoint(path)
+    weights = model_from_state(load_checkpoint(path)).state_dict()
+    if weights_sha256(weights) != record["weights_sha256"]:
+        raise UserError(
+            f"base checkpoint {path} holds other weights than the ones the LoRA adapters were trained on; "
+            "restore that checkpoint or retrain the adapters"
+        )
+    return weights
 
 
 def model_from_state(state: dict[str, Any]) -> GPT:
@@ -129,7 +142,7 @@ def model_from_state(state: dict[str, Any]) -> GPT:
     if "lora_base" not in state:
         model.load_state_dict(state["model"])
         return model
-    model.load_state_dict(model_from_state(load_base(state["lora_base"])).state_dict())
+    model.load_state_dict(load_base(state["lora_base"]))
     add_lora(model, cfg.lora)
     load_adapters(model, state["model"])
     return merge_lora(model)

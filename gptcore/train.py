@@ -168,12 +168,12 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.data = open_data(cfg)
         self.model = GPT(cfg.model)
-        self.lora_base: dict[str, str] | None = None  # a LoRA run's base checkpoint (path, sha256)
+        self.lora_base: dict[str, str] | None = None  # a LoRA run's base checkpoint (path, weights hash)
         if cfg.train.init_from:
             self._init_from(cfg.train.init_from)
         if cfg.lora.rank:
+            self.lora_base = base_record(cfg.train.init_from, self.model.state_dict())
             lora_summary = add_lora(self.model, cfg.lora)
-            self.lora_base = base_record(cfg.train.init_from)
         self.model.to(self.device)
         self.step_model = self.model  # what train_step calls: DDP and/or torch.compile wrap it
         if cfg.train.compile:
@@ -494,7 +494,7 @@ class Trainer:
             tokenizer_fix="point data.dir at the original data folder",
         )
         saved = model_world_config(state["config"])
-        if state.get("lora_base", {}).get("sha256") != (self.lora_base or {}).get("sha256"):
+        if state.get("lora_base", {}).get("weights_sha256") != (self.lora_base or {}).get("weights_sha256"):
             raise UserError(
                 "checkpoint's LoRA base differs from this run's train.init_from and [lora]; "
                 "use a new train.out folder or the checkpoint's config"

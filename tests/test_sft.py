@@ -242,8 +242,8 @@ def test_a_lora_checkpoint_whose_base_changed_is_refused(chat_data, pretrained, 
     moved = {**state, "lora_base": {**state["lora_base"], "path": str(tmp_path / "gone.pt")}}
     with pytest.raises(UserError, match="needs its base checkpoint"):
         model_from_state(moved)
-    changed = {**state, "lora_base": {**state["lora_base"], "sha256": "0" * 64}}
-    with pytest.raises(UserError, match="has changed"):
+    changed = {**state, "lora_base": {**state["lora_base"], "weights_sha256": "0" * 64}}
+    with pytest.raises(UserError, match="other weights"):
         model_from_state(changed)
 
 
