@@ -15,7 +15,6 @@ import functools
 import hashlib
 import itertools
 import json
-import math
 import multiprocessing
 import multiprocessing.pool
 import os
@@ -216,7 +215,7 @@ def _documents(sources: list[Source]) -> Iterator[str]:
 
 
 def _split(
-    docs: Iterable[str], val_fraction: float | None, sample_bytes: float = math.inf
+    docs: Iterable[str], val_fraction: float | None, sample_bytes: float
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Read every document once (so bad input fails before anything is written) and put it in
     val when a hash of (index, text) falls below the fraction: deterministic, spread over the
