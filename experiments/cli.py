@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="what to do with bytes that are not UTF-8 (default: strict = stop)",
     )
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPUs)")
+    p.add_argument(
+        "--tokenizer-sample-mb",
+        type=float,
+        default=None,
+        help="train the tokenizer on about this many MB of the train documents, drawn evenly over "
+        "the corpus (default 8; BPE training's memory grows with the text it sees)",
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if --out is up to date")
     p.add_argument(
         "--sft",
@@ -271,6 +278,7 @@ def _prepare(args: argparse.Namespace) -> int:
         force=args.force,
         errors=args.errors,
         workers=args.workers,
+        tokenizer_sample_mb=args.tokenizer_sample_mb,
     )
     return 0
 

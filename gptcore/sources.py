@@ -11,12 +11,14 @@ import collections
 import functools
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from tqdm import tqdm
 
 from gptcore.errors import UserError
 from gptcore.tokenizer import EOT, file_sha256
@@ -38,29 +40,42 @@ class Source:
 
 
 def open_inputs(
-    paths: Sequence[str | os.PathLike], text_field: str = "text", errors: str = "strict"
+    paths: Sequence[str | os.PathLike],
+    text_field: str = "text",
+    errors: str = "strict",
+    progress: bool = False,
 ) -> list[Source]:
-    """Check and expand `paths` (folders recursively, sorted) before anything is written."""
-    sources: list[Source] = []
+    """Check and expand `paths` (folders recursively, sorted) before anything is written, then
+    hash the files (seconds per GB: a bar shows it when `progress` and stderr is a terminal)."""
+    files: list[Path] = []
     for given in paths:
         path = Path(given)
         if not path.exists():
             raise UserError(f"input not found: {path}; check the --input path")
         if path.is_dir():
-            files = _folder_inputs(path)
-            if not files:
+            found = _folder_inputs(path)
+            if not found:
                 raise UserError(
                     f"no .txt, .jsonl or .parquet files under {path}; point --input "
                     "at a folder or files with those extensions"
                 )
         elif path.suffix in EXTENSIONS:
-            files = [path]
+            found = [path]
         else:
             raise UserError(
                 f"unsupported input {path}: expected a .txt, .jsonl or .parquet file, or a folder of them"
             )
-        sources.extend(_open_file(f, text_field, errors) for f in files)
-    return sources
+        files.extend(found)
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(
+        total=total,
+        desc="hashing",
+        unit="B",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=None if progress else True,
+    ) as bar:
+        return [_open_file(f, text_field, errors, bar.update) for f in files]
 
 
 def _folder_inputs(root: Path) -> list[Path]:
@@ -85,7 +100,7 @@ def _folder_inputs(root: Path) -> list[Path]:
     return files
 
 
-def _open_file(path: Path, text_field: str, errors: str) -> Source:
+def _open_file(path: Path, text_field: str, errors: str, hashed: Callable[[int], object]) -> Source:
     if path.suffix == ".parquet":
         _check_parquet(path, text_field)
         reader = functools.partial(parquet_documents, path, text_field)
@@ -93,7 +108,7 @@ def _open_file(path: Path, text_field: str, errors: str) -> Source:
         reader = functools.partial(jsonl_documents, path, text_field, errors)
     else:
         reader = functools.partial(txt_documents, path, errors)
-    record = {"path": str(path.resolve()), "sha256": file_sha256(path), "bytes": path.stat().st_size}
+    record = {"path": str(path.resolve()), "sha256": file_sha256(path, hashed), "bytes": path.stat().st_size}
     return Source(record, reader)
 
 

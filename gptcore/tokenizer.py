@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -98,12 +98,15 @@ def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
     return lengths
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes, read in chunks (files may be large)."""
+def file_sha256(path: str | os.PathLike, hashed: Callable[[int], object] | None = None) -> str:
+    """sha256 of a file's bytes, read in chunks (files may be large); `hashed(n)` after each
+    chunk of n bytes, for a progress bar."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
+            if hashed is not None:
+                hashed(len(chunk))
     return digest.hexdigest()
 
 

@@ -103,6 +103,7 @@ def test_mixed_folder_layout_meta_and_round_trip(tmp_path: Path, capsys: pytest.
         "val_fraction": 0.25,
         "errors": "strict",
         "tokenizer": None,
+        "tokenizer_sample_mb": prepare.TOKENIZER_SAMPLE_MB,
     }
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -215,6 +216,38 @@ def test_default_val_fraction_gives_each_split_a_document(tmp_path: Path) -> Non
     assert meta["splits"]["train"]["documents"] == meta["splits"]["val"]["documents"] == 1
 
 
+def test_tokenizer_trains_on_a_capped_sample_of_train_documents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--tokenizer-sample-mb: BPE training sees about that much text, only train documents, the
+    same sample on every run; a corpus under the cap is seen whole."""
+    docs = synthetic_documents(400, seed=3)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    seen: list[list[str]] = []
+
+    def recording(documents, *args, **kwargs):  # the real trainer, on the documents prepare gives it
+        seen.append(list(documents))
+        return train_tokenizer(seen[-1], *args, **kwargs)
+
+    monkeypatch.setattr(prepare, "train_tokenizer", recording)
+    inputs = [str(tmp_path / "c.jsonl")]
+    kw = {"vocab_size": 300, "val_fraction": 0.1, "progress": False}
+    sampled = prepare.prepare(inputs, None, tmp_path / "a", tokenizer_sample_mb=0.04, **kw)
+    again = prepare.prepare(inputs, None, tmp_path / "b", tokenizer_sample_mb=0.04, **kw)
+    whole = prepare.prepare(inputs, None, tmp_path / "c", **kw)
+
+    tok = Tokenizer.from_file(str(tmp_path / "a" / "tokenizer.json"))
+    val = set(decode_split(tmp_path / "a", sampled, "val", tok))
+    sample_bytes = sum(len(d.encode()) for d in seen[0])
+    assert 20_000 < sample_bytes < 60_000, sample_bytes  # the corpus is ~200 KB
+    assert not val & set(seen[0]) and set(seen[0]) <= set(docs)
+    assert seen[1] == seen[0] and again["tokenizer_sha256"] == sampled["tokenizer_sha256"]
+    assert len(seen[2]) == whole["splits"]["train"]["documents"]
+    assert sampled["options"]["tokenizer_sample_mb"] == 0.04
+    assert whole["options"]["tokenizer_sample_mb"] == prepare.TOKENIZER_SAMPLE_MB
+    assert whole["fingerprint"] != sampled["fingerprint"]
+
+
 # ---------------------------------------------------------------- bad input through the CLI
 
 
@@ -257,6 +290,11 @@ def _case(tmp: Path, name: str) -> tuple[list[str], tuple[str, ...]]:
             "tok.json",
             "not a valid tokenizer.json",
         )
+    if name == "sample-not-positive":
+        return ["--input", str(_corpus(tmp)), "--tokenizer-sample-mb", "0"], (
+            "--tokenizer-sample-mb 0",
+            "positive",
+        )
     if name == "unknown-corpus":
         return ["--corpus", "poetry"], ("unknown corpus 'poetry'", "shakespeare, kjv")
     raise AssertionError(name)
@@ -273,6 +311,7 @@ BAD = [
     "vocab-too-large",
     "vocab-too-small",
     "bad-tokenizer",
+    "sample-not-positive",
     "unknown-corpus",
 ]
 
@@ -441,6 +480,7 @@ def test_parallel_encode_keeps_few_batches_in_flight() -> None:
         assert len(pulled) <= len(results) + 1 + 2 * 2, "input is read far ahead of output"
         results.append(tag)
         assert ids.dtype == np.uint16 and (ids == 0).sum() == 5  # one EOT per document
+        assert ids.tolist() == [*tok.encode(f"KING: batch {tag} of the night").ids, 0] * 5
     assert results == list(range(40))
 
 
