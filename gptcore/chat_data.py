@@ -38,6 +38,7 @@ from gptcore.chat import (
 )
 from gptcore.data import FORMAT_VERSION, IGNORE_INDEX, TokenData, draw
 from gptcore.errors import UserError
+from gptcore.prepare import check_out, reused_tokenizer
 from gptcore.tokenizer import file_sha256, require_chat_tokens, save_tokenizer
 
 if TYPE_CHECKING:
@@ -145,15 +146,13 @@ def prepare_sft(
 
     Every `round(1 / val_fraction)`-th conversation (default every 20th) goes to val. A bad
     conversation stops the run before the folder appears."""
-    from gptcore.prepare import _check_out, _reused_tokenizer
-
     out, tokenizer = Path(out), Path(tokenizer)
-    _check_out(out)
+    check_out(out)
     val_fraction = 0.05 if val_fraction is None else val_fraction
     if not 0 < val_fraction < 1:
         raise UserError(f"--val-fraction {val_fraction} must be between 0 and 1 (exclusive)")
     every = max(2, round(1 / val_fraction))
-    tok = _reused_tokenizer(tokenizer)
+    tok = reused_tokenizer(tokenizer)
     require_chat_tokens(tok, tokenizer)
     with atomic_dir(out) as tmp:
         save_tokenizer(tok, tmp)

@@ -68,7 +68,7 @@ def prepare(
     """Build (or find up to date) the prepared data folder `out`; return its meta.json."""
     started = time.perf_counter()
     out = Path(out)
-    _check_out(out)
+    check_out(out)
     if errors not in ("strict", "replace"):
         raise UserError(f"--errors {errors!r}: expected 'strict' or 'replace'")
     if val_fraction is not None and not 0 < val_fraction < 1:
@@ -79,7 +79,7 @@ def prepare(
         tokenizer_sample_mb = TOKENIZER_SAMPLE_MB
     if tokenizer_sample_mb <= 0:
         raise UserError(f"--tokenizer-sample-mb {tokenizer_sample_mb} must be positive")
-    tok = _reused_tokenizer(Path(tokenizer)) if tokenizer else None
+    tok = reused_tokenizer(Path(tokenizer)) if tokenizer else None
     if tok is None:
         check_vocab_size(vocab_size)
     if bool(corpus) == bool(inputs):
@@ -159,7 +159,7 @@ def prepare(
     return meta
 
 
-def _check_out(out: Path) -> None:
+def check_out(out: Path) -> None:
     """Refuse, before any work, outputs that cannot be written or would overwrite something
     that is not ours."""
     check_writable_dir(out, "--out")
@@ -170,7 +170,8 @@ def _check_out(out: Path) -> None:
         )
 
 
-def _reused_tokenizer(path: Path) -> Tokenizer:
+def reused_tokenizer(path: Path) -> Tokenizer:
+    """A tokenizer.json given with --tokenizer, checked to fit uint16 shards and to have <|endoftext|>."""
     tok = load_tokenizer(path)
     if tok.token_to_id(EOT) is None:
         raise UserError(
