@@ -466,6 +466,39 @@ def test_killed_driver_is_resumed_on_the_cluster(two_nodes, tiny_data, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_storage_a_node_does_not_see_is_refused_naming_the_node(two_nodes, tiny_data, tmp_path, monkeypatch):
+    """A third node sees its own empty tmpfs over the --storage folder (its raylet and workers run
+    in a private mount namespace), as a node that has a local disk where the others mount NFS
+    would: `gptrun train` refuses in one line that names the node, before anything trains."""
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    local = two_nodes.local
+    plain = local.ray_command()
+    hide = 'mount -t tmpfs gptrun-hidden "$0" && exec "$@"'  # $0: the folder, $@: ray start ...
+    monkeypatch.setattr(
+        local, "ray_command", lambda: ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide,
+                                       str(storage), *plain],
+    )  # fmt: skip
+    # Started from a copy of the state: `down` never hears of this node, stopped below.
+    node = local.start_node(two_nodes.dir, two_nodes.state, "blind", 1, 0)
+    try:
+        local.wait_started(node, 60)
+        wait_for(lambda: "alive: 3 node(s)" in local_sh("status", state=two_nodes.dir).stdout, 60, "3 nodes")
+        config = tmp_path / "exp.toml"
+        config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+        args = ["train", str(config), "--address", two_nodes.address, "--storage", str(storage)]
+        proc, _ = run_clean(args, two_nodes.client_env(tmp_path))
+        assert_user_error(proc, "is not shared: node(s) ")
+        named = proc.stderr.split("node(s)")[1].split("do not see")[0]
+        assert named.count("(") == 1, named  # one node, and not one of the two that share the disk
+        assert not any(n["node_id"][:8] in named for n in two_nodes.state["nodes"]), named
+        assert list(storage.iterdir()) == []  # no run folder, and the check's marker is gone
+    finally:
+        assert local.stop_node(node, grace=10) == []
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_down_leaves_no_process(two_nodes):
     """Last in the module: stops the shared cluster."""
     nodes = two_nodes.state["nodes"]
