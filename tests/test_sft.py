@@ -85,6 +85,12 @@ def test_the_toy_set_continues_speeches_deterministically():
     assert conv[2] == {"role": "assistant", "content": "that is the question"}
 
 
+def run_prepare_sft(source: Path, tokenizer: Path, out: Path):
+    return run_cli(
+        "prepare", "--sft", "--input", str(source), "--tokenizer", str(tokenizer), "--out", str(out)
+    )
+
+
 @pytest.mark.parametrize(
     "line, needle",
     [
@@ -98,16 +104,7 @@ def test_bad_conversations_are_one_line_and_write_nothing(tiny_data, tmp_path, l
     source = write_chat_jsonl(tmp_path / "chat.jsonl", n=5)
     source.write_text(source.read_text() + line + "\n")
     out = tmp_path / "out"
-    proc = run_cli(
-        "prepare",
-        "--sft",
-        "--input",
-        str(source),
-        "--tokenizer",
-        str(tiny_data / "tokenizer.json"),
-        "--out",
-        str(out),
-    )
+    proc = run_prepare_sft(source, tiny_data / "tokenizer.json", out)
     assert_user_error(proc, needle, "chat.jsonl:6")
     assert not out.exists() and list(tmp_path.iterdir()) == [source]
 
@@ -123,16 +120,7 @@ def test_sft_prepare_needs_a_tokenizer_with_the_chat_tokens(tmp_path):
     bare.pre_tokenizer = pre_tokenizers.ByteLevel()
     bare.add_special_tokens(["<|endoftext|>"])
     bare.save(str(tmp_path / "bare.json"))
-    proc = run_cli(
-        "prepare",
-        "--sft",
-        "--input",
-        str(source),
-        "--tokenizer",
-        str(tmp_path / "bare.json"),
-        "--out",
-        str(tmp_path / "o"),
-    )
+    proc = run_prepare_sft(source, tmp_path / "bare.json", tmp_path / "o")
     assert_user_error(proc, "<|im_start|>", "chat template")
     assert not (tmp_path / "o").exists()
 
