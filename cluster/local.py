@@ -3,6 +3,7 @@
 Run it through `cluster/local.sh` (same arguments):
 
     cluster/local.sh up [--nodes N] [--cpus-per-node C] [--head-cpus C] [--gpus-per-node G]
+    cluster/local.sh up --autoscale MAX [--cpus-per-node C] [--head-cpus 0] [--idle-timeout-s S]
     cluster/local.sh status
     cluster/local.sh down
     cluster/local.sh kill-node NAME       # SIGKILL one worker node (a lost machine), for tests
@@ -25,6 +26,12 @@ Ray 2.60 reads RAY_AUTH_MODE=token and the token from RAY_AUTH_TOKEN (highest pr
 RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token. Every node is started with RAY_AUTH_MODE=token and
 RAY_AUTH_TOKEN_PATH pointing at the state's token file, and RAY_AUTH_TOKEN removed from its
 environment so that a stray value cannot override the file.
+
+`up --autoscale MAX` starts an autoscaling cluster instead: the head runs Ray's autoscaler with
+its fake multi-node provider (the one Ray's own autoscaler tests use), which adds up to MAX worker
+nodes of `--cpus-per-node` CPUs when work is pending or `request_resources` asks, and removes them
+after `--idle-timeout-s` idle. The added nodes are processes of the head's session, so `down`
+stops them with it. The autoscaling config is `autoscaler.yaml` in the state folder.
 
 Linux only (it reads /proc). Standard library only, plus the `ray` of this Python.
 """
@@ -51,6 +58,19 @@ LOOPBACK = "127.0.0.1"
 STATE_FILE = "state.json"
 TOKEN_FILE = "token"
 STARTED = "Ray runtime started."
+AUTOSCALER_FILE = "autoscaler.yaml"
+WORKER_TYPE = "ray.worker.cpu"
+EMPTY_LISTS = (
+    "initialization_commands",
+    "setup_commands",
+    "head_setup_commands",
+    "worker_setup_commands",
+    "head_start_ray_commands",
+    "worker_start_ray_commands",
+    "cluster_synced_files",
+    "rsync_exclude",
+    "rsync_filter",
+)
 USAGE = (
     "usage: cluster/local.sh {up [--nodes N] [--cpus-per-node C] | status | down | "
     "kill-node NAME | start-node NAME | env} [--dir STATE_DIR]"
@@ -97,13 +117,15 @@ def client_exports(state: dict[str, Any]) -> str:
     )
 
 
-def node_env(state: dict[str, Any]) -> dict[str, str]:
+def node_env(state: dict[str, Any], head: bool = False) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RAY_AUTH_TOKEN", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
     }
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=state["token_path"], RAY_USAGE_STATS_ENABLED="0")
+    if head and state.get("autoscale"):  # the fake provider's switch; an update every second
+        env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
     return env
 
 
@@ -200,9 +222,50 @@ def used_ports(state: dict[str, Any]) -> set[int]:
     return taken
 
 
+def write_autoscaling_config(root: Path, state: dict[str, Any], head_cpus: int) -> Path:
+    """The autoscaler's cluster config for Ray's fake multi-node provider: a head of the given
+    CPUs and one worker type (`cpus` CPUs, `gpus` GPUs, min 0, max `max_workers`). The provider
+    must be told the head's GCS address: without it the nodes it starts dial port 6379."""
+    autoscale = state["autoscale"]
+    head_resources = {"CPU": head_cpus, "GPU": 0}
+    worker = {"CPU": autoscale["cpus"], "GPU": autoscale["gpus"]}
+    config = {
+        "cluster_name": f"gptrun-local-{state['port']}",
+        "max_workers": autoscale["max_workers"],
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": autoscale["idle_timeout_s"] / 60,
+        "provider": {
+            "type": "fake_multinode",
+            "gcs_address": state["address"],
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+        },
+        "available_node_types": {
+            "ray.head.default": {"resources": head_resources, "node_config": {}, "max_workers": 0},
+            WORKER_TYPE: {
+                "resources": worker,
+                "node_config": {},
+                "min_workers": 0,
+                "max_workers": autoscale["max_workers"],
+            },
+        },
+        "head_node_type": "ray.head.default",
+        "auth": {},
+        "docker": {},
+        **{key: [] for key in EMPTY_LISTS},
+        "file_mounts": {},
+        "file_mounts_sync_continuously": False,
+    }
+    path = root / AUTOSCALER_FILE
+    path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+    return path
+
+
 def start_node(root: Path, state: dict[str, Any], name: str, cpus: int, gpus: int) -> dict:
     """Launch `ray start --block` for one node in a new session; return its record (not yet
-    known to be up: see `wait_started`)."""
+    known to be up: see `wait_started`). On an autoscaling cluster the head also runs the
+    autoscaler with the fake multi-node provider."""
     head = name == "head"
     keys = ("node_manager", "object_manager", "agent_listen", "agent_grpc", "runtime_env", "metrics")
     ports = dict(zip(keys, free_ports(len(keys), used_ports(state)), strict=True))
@@ -256,6 +319,8 @@ def start_node(root: Path, state: dict[str, Any], name: str, cpus: int, gpus: in
             "--ray-client-server-port",
             str(state["client_port"]),
         ]
+        if state.get("autoscale"):
+            args.append(f"--autoscaling-config={root / AUTOSCALER_FILE}")
     else:
         args += ["--address", state["address"]]
     log_path = root / "logs" / f"{name}.log"
@@ -266,7 +331,7 @@ def start_node(root: Path, state: dict[str, Any], name: str, cpus: int, gpus: in
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
-            env=node_env(state),
+            env=node_env(state, head),
             start_new_session=True,
             cwd=root,
         )
@@ -376,8 +441,13 @@ def cmd_up(args: argparse.Namespace, root: Path) -> int:
             f"a cluster from {root} is running ({state['address']}); "
             "`cluster/local.sh down` first, or use another --dir"
         )
+    if args.nodes is None:
+        args.nodes = 0 if args.autoscale else 1
     if args.nodes < 0 or args.cpus_per_node < 1 or args.object_store_mb < 80:
         raise ClusterError("--nodes must be >= 0, --cpus-per-node >= 1, --object-store-mb >= 80")
+    if args.autoscale is not None and (args.autoscale < 1 or args.nodes or args.idle_timeout_s <= 0):
+        raise ClusterError("--autoscale MAX needs MAX >= 1, no --nodes and --idle-timeout-s > 0")
+    head_cpus = args.cpus_per_node if args.head_cpus is None else args.head_cpus
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o700)
     token_path = root / TOKEN_FILE
@@ -399,9 +469,18 @@ def cmd_up(args: argparse.Namespace, root: Path) -> int:
         "started_unix": time.time(),
         "nodes": [],
     }
+    if args.autoscale:
+        state["autoscale"] = {
+            "max_workers": args.autoscale,
+            "cpus": args.cpus_per_node,
+            "gpus": args.gpus_per_node,
+            "idle_timeout_s": args.idle_timeout_s,
+        }
+        write_autoscaling_config(root, state, head_cpus)
     save_state(root, state)
     try:
-        head = start_node(root, state, "head", args.head_cpus or args.cpus_per_node, args.gpus_per_node)
+        head_gpus = 0 if args.autoscale else args.gpus_per_node  # the head runs no trials
+        head = start_node(root, state, "head", head_cpus, head_gpus)
         state["nodes"].append(head)
         save_state(root, state)
         wait_started(head, args.timeout)
@@ -421,10 +500,14 @@ def cmd_up(args: argparse.Namespace, root: Path) -> int:
         raise
     (root / "env.sh").write_text(client_exports(state) + "\n")
     cpus = sum(n["cpus"] for n in state["nodes"])
-    print(
-        f"Ray cluster up: head + {args.nodes} worker node(s), {cpus} CPUs in all, token auth "
-        f"on; state in {root}"
+    nodes = (
+        f"autoscaling to {args.autoscale} worker node(s) of {args.cpus_per_node} CPU(s) "
+        f"(idle ones go after {args.idle_timeout_s:g}s)"
+        if args.autoscale
+        else f"{args.nodes} worker node(s)"
     )
+    now = " now" if args.autoscale else ""
+    print(f"Ray cluster up: head + {nodes}, {cpus} CPUs in all{now}, token auth on; state in {root}")
     print("Client environment (or: source " + shlex.quote(str(root / "env.sh")) + "):")
     print(f"  {client_exports(state)}")
     print("Then, for example:")
@@ -553,10 +636,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up = sub.add_parser("up", parents=[common], help="start a head and N worker nodes")
-    up.add_argument("--nodes", type=int, default=1, help="worker nodes besides the head (1)")
+    up.add_argument("--nodes", type=int, default=None, help="worker nodes besides the head (1)")
     up.add_argument("--cpus-per-node", type=int, default=1, help="logical CPUs per node (1)")
     up.add_argument(
         "--head-cpus", type=int, default=None, help="logical CPUs of the head (default: --cpus-per-node)"
+    )
+    up.add_argument(
+        "--autoscale",
+        type=int,
+        default=None,
+        metavar="MAX",
+        help="an autoscaling cluster: no worker node at first, up to MAX added by Ray's autoscaler "
+        "(fake multi-node provider) when work waits",
+    )
+    up.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=60.0,
+        help="with --autoscale: seconds before an idle node is removed (60)",
     )
     up.add_argument(
         "--gpus-per-node",

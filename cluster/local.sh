@@ -3,6 +3,7 @@
 # 127.0.0.1), for trying gptrun on "several nodes" and for the tests. See cluster/README.md.
 #
 #   cluster/local.sh up [--nodes N] [--cpus-per-node C] [--head-cpus C] [--port P] [--dir DIR]
+#   cluster/local.sh up --autoscale MAX [--head-cpus 0] [--idle-timeout-s S]   # Ray's autoscaler adds nodes
 #   cluster/local.sh status [--dir DIR]      # address, nodes, resources (exit 1 if degraded)
 #   cluster/local.sh down [--dir DIR]        # stops exactly what `up` started, checks none is left
 #   cluster/local.sh kill-node NAME          # SIGKILL a worker node (simulate a lost machine)
@@ -14,7 +15,7 @@
 set -euo pipefail
 
 usage() {
-    sed -n '5,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '5,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
 }
 
 case "${1:-}" in

@@ -21,7 +21,6 @@ import pyarrow.fs
 
 from gptcore.errors import UserError
 
-RESOURCE_WAIT_S = float(os.environ.get("GPTRUN_RESOURCE_WAIT_S", "20"))
 PROBE_TIMEOUT_S = 10.0  # the gRPC probe's own cap (RESOURCE_WAIT_S bounds it further)
 # Cheap, read-only RPCs that every Ray 2.x head serves: the GCS's cluster id, and the Ray Client
 # server's cluster info (for ray:// addresses). The request bodies are empty protobufs.
@@ -33,10 +32,31 @@ TOKEN_HINT = (
 )
 
 
+def env_seconds(name: str, default: float) -> float:
+    """A duration in seconds from the environment (e.g. GPTRUN_RESOURCE_WAIT_S), read when it is
+    needed so that a bad value is one line from the command that uses it, not a traceback at
+    import."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise UserError(f"{name}={raw!r} is not a number of seconds; write e.g. {name}={default:g}")
+    return value
+
+
+def resource_wait_s() -> float:
+    """How long a static cluster may take to show the resources a command needs (default 20 s)."""
+    return env_seconds("GPTRUN_RESOURCE_WAIT_S", 20.0)
+
+
 def resolve_address(address: str | None) -> str | None:
     """`--address`, else `$RAY_ADDRESS` (Ray's own convention, which `cluster/local.sh up`
-    prints), else None: start a local instance. Callers that check local resources when the
-    address is None must resolve it first."""
+    prints), else None: start a local instance. The CLI resolves it once, before any check, and
+    hands the result to every step (local resource checks, the storage check, `ray_session`)."""
     return address or os.environ.get("RAY_ADDRESS") or None
 
 
@@ -96,7 +116,7 @@ def check_cluster(address: str, timeout: float | None = None) -> str:
     (an HTTP server, the dashboard port, a raylet), or when the head refuses this client's
     token. `ray.init` itself retries such addresses for 20-60 s and then says only "Failed to
     connect"; a non-Ray port can keep it retrying far longer."""
-    timeout = min(PROBE_TIMEOUT_S, RESOURCE_WAIT_S) if timeout is None else timeout
+    timeout = min(PROBE_TIMEOUT_S, resource_wait_s()) if timeout is None else timeout
     deadline = time.monotonic() + max(timeout, 1.0)
     if address == "auto":
         address = _resolve_auto()
@@ -239,17 +259,23 @@ def check_fits(cpus: float, gpus: float, what: str, have: tuple[float, float], w
 
 def require_resources(cpus: float, gpus: float, what: str) -> None:
     """Wait (bounded) until the cluster could ever fit `cpus`/`gpus`, else one clear line."""
-    import ray
-
-    deadline = time.monotonic() + RESOURCE_WAIT_S
+    wait_s = resource_wait_s()
+    deadline = time.monotonic() + wait_s
     while True:
-        total = ray.cluster_resources()
-        have = (total.get("CPU", 0.0), total.get("GPU", 0.0))
+        have = cluster_size()
         if time.monotonic() > deadline:
-            check_fits(cpus, gpus, what, have, f" (waited {RESOURCE_WAIT_S:g}s)")
+            check_fits(cpus, gpus, what, have, f" (waited {wait_s:g}s)")
         if have[0] >= cpus and have[1] >= gpus:
             return
         time.sleep(1.0)
+
+
+def cluster_size() -> tuple[float, float]:
+    """The CPUs and GPUs of the nodes alive now (needs a Ray session)."""
+    import ray
+
+    total = ray.cluster_resources()
+    return total.get("CPU", 0.0), total.get("GPU", 0.0)
 
 
 def check_storage(storage: str | None, default: str) -> str:
@@ -299,7 +325,7 @@ def verify_shared_storage(storage: str, timeout: float | None = None) -> None:
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) < 2:
         return
-    timeout = RESOURCE_WAIT_S if timeout is None else timeout
+    timeout = resource_wait_s() if timeout is None else timeout
     folder = Path(storage.removeprefix("file://"))
     nonce = secrets.token_hex(8)
     marker = folder / f".gptrun-shared-check-{nonce}"
@@ -313,6 +339,8 @@ def verify_shared_storage(storage: str, timeout: float | None = None) -> None:
             for n in nodes
         }
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        for ref in pending:  # a node that does not answer must not keep a task queued for it
+            ray.cancel(ref, force=True)
         blind = []
         for ref in ready:
             try:
