@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from experiments.cluster import cluster_size, env_seconds, require_resources
+from experiments.cluster import autoscale_wait_s, cluster_size, require_resources
 from gptcore.errors import UserError
 
 Bundle = dict[str, float]  # {"CPU": c, "GPU": g}, as Ray's resource requests spell them
@@ -227,15 +227,6 @@ def _monitor_config(gcs_port: str) -> str | None:
     return None
 
 
-def trial_bundles(
-    workers: int, cpus_per_worker: float, gpus_per_worker: float, driver_cpu: float
-) -> list[Bundle]:
-    """The resource bundles one trial (or one `gptrun train` run) holds: one per worker, and the
-    DDP trial's own process (`driver_cpu`, 0 for a trial that trains in its own process)."""
-    worker = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
-    return [dict(worker) for _ in range(workers)] + ([{"CPU": driver_cpu}] if driver_cpu else [])
-
-
 def plan_width(growth: Growth, trial: list[Bundle], cap: int, what: str) -> tuple[int, dict[str, int]]:
     """How many trials the grown cluster holds at once (at most `cap`) and the nodes that takes;
     one line when not even one trial fits any node type the autoscaler has."""
@@ -278,7 +269,7 @@ def wait_for_first_trial(trial: list[Bundle], nodes: dict[str, int], what: str) 
     came up changes; bounded by GPTRUN_AUTOSCALE_WAIT_S, then one line naming the node type."""
     import ray
 
-    wait_s = env_seconds("GPTRUN_AUTOSCALE_WAIT_S", 600.0)
+    wait_s = autoscale_wait_s()
     need_cpus = sum(b.get("CPU", 0) for b in trial)
     need_gpus = sum(b.get("GPU", 0) for b in trial)
     kinds = ", ".join(f"{n} x {name}" for name, n in nodes.items()) or "none"

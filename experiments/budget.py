@@ -40,6 +40,15 @@ def trial_footprint(cfg: RayExperiment) -> tuple[float, float]:
     return cpus, res.workers * res.gpus_per_worker
 
 
+def trial_bundles(cfg: RayExperiment) -> list[dict[str, float]]:
+    """The resource bundles one trial holds, as Ray spells them (what an autoscaler is asked
+    for): one per worker, and a DDP trial's own Tune process."""
+    res = cfg.resources
+    worker = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus_per_worker} if res.gpus_per_worker else {})}
+    process = [] if is_lean(cfg) else [{"CPU": DDP_DRIVER_CPU}]
+    return [dict(worker) for _ in range(res.workers)] + process
+
+
 def local_extra_cpus(cfg: RayExperiment) -> int:
     """Logical CPUs a local Ray instance adds for DDP trials' Tune processes (0.01 CPU each), so
     that N cores still run N one-CPU workers; a 1-worker trial's process is its worker."""

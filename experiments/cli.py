@@ -199,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cpus", type=float, default=None, help="cluster CPUs (default: this machine)")
     p.add_argument("--gpus", type=float, default=None, help="cluster GPUs (default: this machine)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="size the plan to this Ray cluster (or $RAY_ADDRESS): its CPUs and GPUs, or the most "
+        "its autoscaler can add",
+    )
     _add_overrides(p)
     p.set_defaults(handler=_plan)
 
@@ -211,14 +217,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("--name", default=None, help="experiment name (default: config name)")
     p.add_argument(
-        "--restart", action="store_true", help="delete an existing experiment of this name and start over"
+        "--restart",
+        action="store_true",
+        help="delete an existing experiment of this name (and its study) and start over, once "
+        "every check has passed",
+    )
+    p.add_argument(
+        "--replace-study",
+        action="store_true",
+        help="with --restart: also delete a study of this name in sweep.storage_url that this "
+        "experiment did not create",
     )
     _add_cluster(p)
     _add_overrides(p)
     p.set_defaults(handler=_sweep)
 
     p = sub.add_parser("resume", help="continue an interrupted sweep")
-    p.add_argument("experiment_dir")
+    p.add_argument("experiment_dir", help="the sweep's folder, or its URI (s3://bucket/prefix/NAME)")
     p.add_argument("--address", default=None)
     p.set_defaults(handler=_resume)
 
@@ -241,8 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_confirm)
 
     p = sub.add_parser("report", help="tables, plots, report.html and best.toml for a sweep")
-    p.add_argument("experiment_dir")
-    p.add_argument("--out", default=None, help="where to write (default: EXPERIMENT_DIR/report)")
+    p.add_argument("experiment_dir", help="the sweep's folder, or its URI (s3://bucket/prefix/NAME)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="where to write (default: EXPERIMENT_DIR/report; for a URI, NAME-report here)",
+    )
     p.set_defaults(handler=_report)
 
     return parser
@@ -304,10 +323,15 @@ def _train(args: argparse.Namespace) -> int:
 
         train_local(cfg)
         return 0
+    from experiments.cluster import resolve_address
     from experiments.train import train_on_ray
 
     return train_on_ray(
-        cfg, address=args.address, storage=args.storage, name=args.name, max_failures=args.max_failures
+        cfg,
+        address=resolve_address(args.address),
+        storage=args.storage,
+        name=args.name,
+        max_failures=args.max_failures,
     )
 
 
@@ -345,35 +369,46 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from experiments.cluster import resolve_address
     from experiments.plan import plan_cli
 
     return plan_cli(
-        args.config, args.overrides, tokens_per_sec=args.tokens_per_sec, cpus=args.cpus, gpus=args.gpus
+        args.config,
+        args.overrides,
+        tokens_per_sec=args.tokens_per_sec,
+        cpus=args.cpus,
+        gpus=args.gpus,
+        address=resolve_address(args.address),
     )
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from experiments.cluster import ray_session
+    from experiments.cluster import ray_session, resolve_address
     from experiments.sweep import plan_sweep, run_sweep
 
+    if args.replace_study and not args.restart:
+        raise UserError("--replace-study goes with --restart (it replaces the experiment's study)")
+    address = resolve_address(args.address)
     plan = plan_sweep(
         args.config,
         args.overrides,
         name=args.name,
         storage=args.storage,
         restart=args.restart,
-        address=args.address,
+        address=address,
+        replace_study=args.replace_study,
     )
-    with ray_session(args.address, extra_local_cpus=plan.extra_local_cpus):
+    with ray_session(address, extra_local_cpus=plan.extra_local_cpus):
         return _then_confirm(run_sweep(plan), plan)
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from experiments.cluster import ray_session
+    from experiments.cluster import ray_session, resolve_address
     from experiments.sweep import plan_resume, run_resume
 
+    address = resolve_address(args.address)
     plan = plan_resume(args.experiment_dir)
-    with ray_session(args.address, extra_local_cpus=plan.extra_local_cpus):
+    with ray_session(address, extra_local_cpus=plan.extra_local_cpus):
         return _then_confirm(run_resume(plan), plan)
 
 
@@ -389,10 +424,15 @@ def _then_confirm(status: int, plan: Any) -> int:
 
 
 def _confirm(args: argparse.Namespace) -> int:
+    from experiments.cluster import resolve_address
     from experiments.confirm import confirm_cli
 
     return confirm_cli(
-        args.experiment_dir, top=args.top, seeds=args.seeds, address=args.address, restart=args.restart
+        args.experiment_dir,
+        top=args.top,
+        seeds=args.seeds,
+        address=resolve_address(args.address),
+        restart=args.restart,
     )
 
 

@@ -53,6 +53,12 @@ def resource_wait_s() -> float:
     return env_seconds("GPTRUN_RESOURCE_WAIT_S", 20.0)
 
 
+def autoscale_wait_s() -> float:
+    """How long an autoscaler may take to bring up the nodes of a first trial (default 600 s:
+    cloud nodes take minutes to boot)."""
+    return env_seconds("GPTRUN_AUTOSCALE_WAIT_S", 600.0)
+
+
 def resolve_address(address: str | None) -> str | None:
     """`--address`, else `$RAY_ADDRESS` (Ray's own convention, which `cluster/local.sh up`
     prints), else None: start a local instance. The CLI resolves it once, before any check, and
@@ -70,6 +76,7 @@ def ray_session(address: str | None = None, extra_local_cpus: int = 0) -> Iterat
     one-CPU trials."""
     import ray
 
+    resource_wait_s(), autoscale_wait_s()  # a bad value is one line, before Ray starts
     if ray.is_initialized():  # a caller (a test, a notebook) already holds a session: share it
         yield
         return
@@ -280,7 +287,7 @@ def cluster_size() -> tuple[float, float]:
 
 def check_storage(storage: str | None, default: str) -> str:
     """`--storage` (or `default`) as an absolute local path or a URI (s3://, gs://, ...) that
-    pyarrow.fs understands. Pure: creates nothing (call `create_storage` once the cluster has
+    pyarrow.fs understands, whose bucket exists. Creates nothing (call `create_storage` once the cluster has
     answered), so a bad --address or a too-small cluster leaves no folder behind."""
     storage = storage or default
     if "://" in storage:
@@ -288,6 +295,10 @@ def check_storage(storage: str | None, default: str) -> str:
             pyarrow.fs.FileSystem.from_uri(storage)
         except Exception as err:  # pyarrow raises ArrowInvalid / OSError for bad URIs
             raise UserError(f"--storage {storage}: {err}") from None
+        if not is_local(storage):  # read-only: the bucket exists, the credentials are accepted
+            from experiments.remote import check_bucket
+
+            check_bucket(storage)
         return storage
     path = Path(storage).expanduser().resolve()
     for parent in (path, *path.parents):

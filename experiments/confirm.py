@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.budget import local_extra_cpus
+from experiments import remote
+from experiments.autoscale import room_for
+from experiments.budget import local_extra_cpus, trial_bundles
 from experiments.cluster import ray_session
 from experiments.config import RayExperiment, load_experiment
-from experiments.experiment import start_experiment
+from experiments.experiment import open_experiment, remove_experiment, save, start_experiment
 from experiments.results import fmt_value, load_trials, short_params
 from experiments.space import parse_space
 from experiments.table import print_columns
 from experiments.tuner import new_tuner, restore_tuner
-from gptcore.atomic import write_text_atomic
 from gptcore.errors import UserError
 
 ALPHA = 0.05
@@ -55,7 +55,7 @@ class Candidates:
 
 
 def confirm_cli(experiment_dir: str, *, top: int, seeds: int, address: str | None, restart: bool) -> int:
-    exp_dir = Path(experiment_dir).expanduser().resolve()
+    exp_dir = open_experiment(experiment_dir)
     cfg = load_experiment(exp_dir / "gptrun.toml") if (exp_dir / "gptrun.toml").exists() else None
     if cfg is None:
         raise UserError(
@@ -67,7 +67,7 @@ def confirm_cli(experiment_dir: str, *, top: int, seeds: int, address: str | Non
             f"--top {top} --seeds {seeds}: need --top >= 1 and --seeds >= 2 (a spread needs two runs)"
         )
     plan = confirm_plan(exp_dir, cfg, top, seeds)  # before Ray starts: bad input, no Ray
-    _can_restore(exp_dir / CONFIRM_DIR, plan, restart)
+    _can_restore(exp_dir / CONFIRM_DIR, plan, restart)  # a different plan without --restart
     with ray_session(address, extra_local_cpus=local_extra_cpus(cfg)):
         return confirm(exp_dir, cfg, plan, restart=restart)
 
@@ -100,9 +100,8 @@ def ranked_trials(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart: bool) -> int:
-    """Run (or resume) the confirm experiment inside a Ray session; write and print the noise."""
-    from ray import tune
-
+    """Run (or resume) the confirm experiment inside a Ray session; write and print the noise.
+    An earlier confirm that is not resumed is deleted only once the cluster has answered."""
     sweep_trials = load_trials(exp_dir)
     space = parse_space(cfg)
     by_id = {t["trial_id"]: t for t in sweep_trials}
@@ -116,40 +115,56 @@ def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart:
         f"confirm {conf_dir}: {len(plan['candidates'])} configs x seeds {plan['seeds']} = "
         f"{n_runs} runs at full budget{' (resuming)' if restore else ''}"
     )
-    if not restore:
-        start_experiment(conf_dir, cfg, {**meta, **plan})
-    if restore:
-        tuner = restore_tuner(cfg, candidates, conf_dir)
-    else:
-        tuner = new_tuner(
-            cfg,
-            candidates,
-            conf_dir,
-            width,
-            tune_config=tune.TuneConfig(),
-            param_space={
-                "candidate": tune.grid_search(plan["candidates"]),
-                "train.seed": tune.grid_search(plan["seeds"]),
-            },
-            tracking_name=f"{exp_dir.name}-confirm",
-        )
-    tuner.fit()
+    with room_for(trial_bundles(cfg), width, "one run", None):
+        if not restore:
+            remove_experiment(conf_dir)  # --restart, or killed before Tune saved anything
+            start_experiment(conf_dir, cfg, {**meta, **plan})
+        _confirm_tuner(cfg, candidates, conf_dir, width, plan, restore, exp_dir.name).fit()
     noise = measure_noise(sweep_trials, load_trials(conf_dir), plan)
-    write_text_atomic(exp_dir / NOISE_FILE, json.dumps(noise, indent=1))
+    save(exp_dir, NOISE_FILE, json.dumps(noise, indent=1))
     print_noise(noise)
     print(f"noise written to {exp_dir / NOISE_FILE}")
     return 0
 
 
+def _confirm_tuner(
+    cfg: RayExperiment,
+    candidates: Candidates,
+    conf_dir: Path,
+    width: int,
+    plan: dict[str, Any],
+    restore: bool,
+    name: str,
+) -> Any:
+    """The confirm experiment's Tuner: a grid over candidate x seed, or the interrupted one."""
+    from ray import tune
+
+    if restore:
+        return restore_tuner(cfg, candidates, conf_dir)
+    return new_tuner(
+        cfg,
+        candidates,
+        conf_dir,
+        width,
+        tune_config=tune.TuneConfig(),
+        param_space={
+            "candidate": tune.grid_search(plan["candidates"]),
+            "train.seed": tune.grid_search(plan["seeds"]),
+        },
+        tracking_name=f"{name}-confirm",
+    )
+
+
 def _can_restore(conf_dir: Path, plan: dict[str, Any], restart: bool) -> bool:
-    """True to resume an earlier confirm of the same plan; a different plan needs --restart."""
+    """True to resume an earlier confirm of the same plan; a different plan needs --restart.
+    Deletes nothing (`confirm` does, once the cluster has answered)."""
     from ray import tune
 
     if not conf_dir.exists():
         return False
     saved = json.loads((conf_dir / "sweep.json").read_text()) if (conf_dir / "sweep.json").exists() else {}
     same = {k: saved.get(k) for k in plan} == plan
-    if same and not restart and tune.Tuner.can_restore(str(conf_dir)):
+    if same and not restart and tune.Tuner.can_restore(remote.location(conf_dir)):
         return True
     if not same and not restart and saved:
         raise UserError(
@@ -157,7 +172,6 @@ def _can_restore(conf_dir: Path, plan: dict[str, Any], restart: bool) -> bool:
             f"{len(saved['seeds'])} seeds; rerun with those, or pass --restart to "
             "replace it"
         )
-    shutil.rmtree(conf_dir)  # --restart, or killed before Tune saved anything
     return False
 
 

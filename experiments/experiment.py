@@ -5,14 +5,19 @@ one), in one place for the code that writes them and the code that reads them ba
     optuna.db      the Optuna study (sqlite)        events.jsonl  trial starts, ends, ASHA stops
     runs/          Ray Train runs of DDP trials     best.toml     the winner, ready to train
     <trial dirs>   Tune's, one per trial (results and, for 1-worker trials, checkpoints)
+
+An experiment in object storage has the same files under its URI; the driver reads and writes
+them in a local working copy and uploads each file it writes (`experiments.remote`).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
+from experiments import remote
 from experiments.budget import trial_tokens
 from experiments.config import RayExperiment, load_experiment
 from gptcore.atomic import write_text_atomic
@@ -25,9 +30,36 @@ EVENTS_FILE, BEST_FILE, RUNS_DIR = "events.jsonl", "best.toml", "runs"
 def start_experiment(exp_dir: Path, cfg: RayExperiment, meta: dict[str, Any]) -> None:
     """Write the base config and `sweep.json` (how to resume, and the per-trial budget that tells
     completed trials from stopped ones)."""
-    exp_dir.mkdir(parents=True)
-    write_text_atomic(exp_dir / CONFIG_FILE, cfg.to_toml())
-    write_text_atomic(exp_dir / META_FILE, json.dumps({"trial_tokens": trial_tokens(cfg), **meta}, indent=1))
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    save(exp_dir, CONFIG_FILE, cfg.to_toml())
+    save(exp_dir, META_FILE, json.dumps({"trial_tokens": trial_tokens(cfg), **meta}, indent=1))
+
+
+def save(exp_dir: Path, name: str, text: str) -> None:
+    """Write `exp_dir/name` whole (and upload it, for an experiment in object storage)."""
+    write_text_atomic(exp_dir / name, text)
+    remote.upload(exp_dir, name)
+
+
+def open_experiment(experiment: str) -> Path:
+    """The folder of an experiment given on the command line: a local path, or the working copy
+    of a URI (checked first: one line for a missing bucket or refused credentials)."""
+    if remote.is_uri(experiment):
+        remote.check_bucket(experiment)
+        if not remote.exists(experiment):
+            raise UserError(f"{experiment} holds nothing; pass the URI that `gptrun sweep` printed")
+        return remote.open_working_copy(experiment, pull=True)
+    return Path(experiment).expanduser().resolve()
+
+
+def remove_experiment(exp_dir: Path, uri: str | None = None) -> None:
+    """Delete an experiment folder (--restart), and everything under its URI for one in object
+    storage (`uri`, or the one its working copy names)."""
+    where = uri or remote.location(exp_dir)
+    if remote.is_uri(where):
+        remote.delete(where)
+    if exp_dir.exists():
+        shutil.rmtree(exp_dir)
 
 
 def is_experiment(exp_dir: Path) -> bool:
@@ -44,6 +76,14 @@ def load_base(exp_dir: Path) -> tuple[RayExperiment, dict[str, Any]]:
     return load_experiment(exp_dir / CONFIG_FILE), json.loads((exp_dir / META_FILE).read_text())
 
 
+def saved_meta(exp_dir: Path, uri: str | None = None) -> dict[str, Any]:
+    """The `sweep.json` an experiment holds (under `uri` for one in object storage), {} if none."""
+    text = remote.read_text(f"{uri}/{META_FILE}") if uri else None
+    if uri is None and (exp_dir / META_FILE).exists():
+        text = (exp_dir / META_FILE).read_text()
+    return json.loads(text) if text else {}
+
+
 def study_url(cfg: RayExperiment, exp_dir: Path) -> str:
     """Where the Optuna study lives: `sweep.storage_url`, or sqlite in the experiment folder."""
     return cfg.sweep.storage_url or f"sqlite:///{(exp_dir / STUDY_FILE).resolve()}"
@@ -53,6 +93,7 @@ def append_event(exp_dir: Path, event: dict[str, Any]) -> None:
     """One line of `events.jsonl`. Written by the sweep driver only, so appends do not race."""
     with open(exp_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps(event) + "\n")
+    remote.upload(exp_dir, EVENTS_FILE)  # object stores have no append: the whole file again
 
 
 def read_events(exp_dir: Path) -> list[dict[str, Any]]:

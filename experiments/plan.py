@@ -48,28 +48,39 @@ def probe_tokens_per_sec(cfg: RayExperiment) -> float:
 
 
 def plan_cli(
-    config: str, overrides: list[str], *, tokens_per_sec: float | None, cpus: float | None, gpus: float | None
+    config: str,
+    overrides: list[str],
+    *,
+    tokens_per_sec: float | None,
+    cpus: float | None,
+    gpus: float | None,
+    address: str | None = None,
 ) -> int:
+    """`address` (already resolved: `--address` or $RAY_ADDRESS) sizes the plan to that cluster,
+    or to the most its autoscaler can add; else `cpus` / `gpus`, else this machine."""
     cfg = load_experiment(config, overrides)
     space = parse_space(cfg)
     if cfg.sweep.baseline:
         space.baseline(cfg)  # the sweep would refuse a baseline outside its space: so does the plan
-    if cpus is None:  # a local instance, as `gptrun sweep` starts it
-        cpus = (os.cpu_count() or 1) + local_extra_cpus(cfg)
-    if gpus is None:
-        import torch
-
-        gpus = float(torch.cuda.device_count())
-    res = cfg.resources
-    width = concurrency(cfg, cpus, gpus)
-    if width == 0:
-        need_cpus, need_gpus = trial_footprint(cfg)
-        raise UserError(
-            f"one trial needs {need_cpus:g} CPUs and {need_gpus:g} GPUs but the "
-            f"cluster has {cpus:g} CPUs and {gpus:g} GPUs"
-        )
     if tokens_per_sec is not None and not tokens_per_sec > 0:
         raise UserError(f"--tokens-per-sec={tokens_per_sec:g} must be > 0 (a trial's throughput)")
+    res = cfg.resources
+    if address is not None and cpus is None and gpus is None:
+        width, cluster = _cluster_width(cfg, address)
+    else:
+        if cpus is None:  # a local instance, as `gptrun sweep` starts it
+            cpus = (os.cpu_count() or 1) + local_extra_cpus(cfg)
+        if gpus is None:
+            import torch
+
+            gpus = float(torch.cuda.device_count())
+        width, cluster = concurrency(cfg, cpus, gpus), f"cluster {cpus:g} CPU / {gpus:g} GPU"
+        if width == 0:
+            need_cpus, need_gpus = trial_footprint(cfg)
+            raise UserError(
+                f"one trial needs {need_cpus:g} CPUs and {need_gpus:g} GPUs but the "
+                f"cluster has {cpus:g} CPUs and {gpus:g} GPUs"
+            )
     if tokens_per_sec is None:
         tokens_per_sec = probe_tokens_per_sec(cfg) * res.workers
         source = f"measured: {PROBE_STEPS} steps here"
@@ -91,7 +102,7 @@ def plan_cli(
     )
     print(
         f"  trials       {n}, {width} at a time ({per_trial_cpus:g} CPU / {per_trial_gpus:g} GPU"
-        f" each; cluster {cpus:g} CPU / {gpus:g} GPU)"
+        f" each; {cluster})"
     )
     print(f"  per trial    {max_t:,} tokens, {tokens_per_sec:,.0f} tokens/s ({source})")
     print(f"  ASHA rungs   {', '.join(f'{r:,}' for r in rungs)} tokens (reduction factor {rf})")
@@ -113,6 +124,26 @@ def plan_cli(
         else:
             print(f"  budget       {cfg.sweep.budget}: fits ({100 * wall / budget:.0f}% of it)")
     return 0
+
+
+def _cluster_width(cfg: RayExperiment, address: str) -> tuple[int, str]:
+    """Trials at once on the cluster at `address` and how it was sized: its nodes now (a
+    static cluster, one line when one trial does not fit), or the most its autoscaler can add."""
+    from experiments.autoscale import autoscaler_growth, plan_width
+    from experiments.budget import trial_bundles
+    from experiments.cluster import check_fits, cluster_size, ray_session
+
+    with ray_session(address):
+        growth = autoscaler_growth()
+        now = cluster_size()
+        if growth is None:
+            check_fits(*trial_footprint(cfg), "one trial", now)
+            return concurrency(cfg, *now), f"cluster {now[0]:g} CPU / {now[1]:g} GPU"
+        cap = cfg.sweep.max_concurrent or cfg.sweep.num_samples
+        if not growth.known:
+            return cap, f"autoscaling cluster of unknown size, {now[0]:g} CPU / {now[1]:g} GPU now"
+        width, _ = plan_width(growth, trial_bundles(cfg), cap, "one trial")
+        return width, f"autoscaling cluster: {now[0]:g} CPU / {now[1]:g} GPU now, {growth.describe()}"
 
 
 def _hours(seconds: float) -> str:

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from experiments import remote
 from experiments.config import RayExperiment
 from experiments.experiment import META_FILE, is_experiment, read_events
 from experiments.space import ZERO_SUFFIX, Space, apply_overrides
@@ -20,14 +21,17 @@ STATUS_ORDER = ("completed", "stopped early", "cut by budget", "diverged", "erro
 
 
 def load_analysis(exp_dir: Path) -> Any:
+    """Tune's view of the experiment, read from where Tune keeps it (its folder, or its URI for
+    an experiment in object storage)."""
     from ray.tune import ExperimentAnalysis
 
-    if not is_experiment(exp_dir) or not list(exp_dir.glob("experiment_state-*.json")):
+    where = remote.location(exp_dir)  # absolute: Ray reads a relative path as a URI
+    if not is_experiment(exp_dir) or not remote.has_tune_state(where):
         raise UserError(
-            f"{exp_dir} is not a gptrun sweep folder (no gptrun.toml / Tune state); "
+            f"{where} is not a gptrun sweep folder (no gptrun.toml / Tune state); "
             "pass the folder that `gptrun sweep` printed"
         )
-    return ExperimentAnalysis(str(exp_dir.resolve()))  # Ray reads a relative path as a URI
+    return ExperimentAnalysis(where)
 
 
 def trial_status(tune_status: str, last: dict[str, Any], max_tokens: float, asha_stopped: bool) -> str:
@@ -58,7 +62,9 @@ def load_trials(exp_dir: Path) -> list[dict[str, Any]]:
         last = trial.last_result or {}
         status = trial_status(trial.status, last, max_tokens, trial.trial_id in asha)
         val = last.get("val_loss", math.nan)
-        checkpoint = last.get("checkpoint_path") or (trial.checkpoint.path if trial.checkpoint else "")
+        checkpoint = last.get("checkpoint_path") or (
+            remote.shown_path(trial.checkpoint.path, trial.checkpoint.filesystem) if trial.checkpoint else ""
+        )
         trials.append(
             {
                 "trial_id": trial.trial_id,

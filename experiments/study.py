@@ -77,21 +77,38 @@ class StudySearch(OptunaSearch):
         self._completed_trials.add(trial_id)
 
 
-def check_new_study(url: str, name: str, replace: bool) -> None:
-    """A new sweep never takes over another study: a study of this name in a shared database
-    is refused unless `--restart` asked to replace this experiment (then only it is deleted)."""
+def check_new_study(url: str, name: str, *, restart: bool, replace: bool, owner: dict[str, Any]) -> None:
+    """A new sweep never takes over another study. A study of this name in a shared database is
+    refused, unless `--restart` replaces the experiment that created it (`owner`: that
+    experiment's `sweep.json` names this database and study) or `--replace-study` says to delete
+    it anyway. Deletes nothing: `delete_study` does, once every other check has passed."""
     import optuna
 
     storage = rdb_storage(url)
     names = {s.study_name for s in optuna.get_all_study_summaries(storage)}
     if name not in names:
         return
-    if not replace:
+    if not restart:
         raise UserError(
             f"the Optuna storage {shown_url(url)} already holds a study named {name!r}; pick "
             "another --name, or pass --restart to replace that experiment"
         )
-    optuna.delete_study(study_name=name, storage=storage)
+    ours = owner.get("study_url") == shown_url(url) and owner.get("study_name") == name
+    if not ours and not replace:
+        raise UserError(
+            f"the Optuna storage {shown_url(url)} holds a study named {name!r} that this experiment "
+            "folder did not create (a teammate's sweep of the same name?); pick another --name, or "
+            "pass --replace-study to delete that study too"
+        )
+
+
+def delete_study(url: str, name: str) -> None:
+    """Delete study `name` if it exists (a --restart whose checks have all passed)."""
+    import optuna
+
+    storage = rdb_storage(url)
+    if name in {s.study_name for s in optuna.get_all_study_summaries(storage)}:
+        optuna.delete_study(study_name=name, storage=storage)
 
 
 def close_running(url: str, name: str, known: set[str], cut: set[str]) -> None:

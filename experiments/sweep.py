@@ -2,18 +2,23 @@
 to the summary at the end. The Tuner is built in `experiments.tuner`, the trial function lives in
 `experiments.trial`, the arithmetic in `experiments.budget`, and the folder's files in
 `experiments.experiment`. The noise check (`gptrun confirm`) is chained by the CLI, not here.
+
+Nothing is deleted or written before every check has passed: the config, the folder, the study,
+the cluster (its address, its size or what its autoscaler can add) and the storage.
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments import remote
+from experiments.autoscale import room_for
 from experiments.budget import (
     concurrency,
     grace_tokens,
     local_extra_cpus,
+    trial_bundles,
     trial_footprint,
     trial_tokens,
 )
@@ -22,13 +27,16 @@ from experiments.cluster import (
     check_storage,
     create_storage,
     local_resources,
-    require_resources,
     verify_shared_storage,
 )
 from experiments.config import RayExperiment, load_experiment
 from experiments.experiment import (
     BEST_FILE,
     load_base,
+    open_experiment,
+    remove_experiment,
+    save,
+    saved_meta,
     start_experiment,
     study_url,
 )
@@ -37,7 +45,6 @@ from experiments.space import Space, parse_space
 from experiments.storage import shown_url
 from experiments.train import checked_for_workers
 from experiments.tuner import new_tuner, restore_tuner, tracking_callbacks
-from gptcore.atomic import write_text_atomic
 from gptcore.errors import UserError
 
 
@@ -47,8 +54,15 @@ class SweepPlan:
 
     cfg: RayExperiment
     space: Space
-    exp_dir: Path
+    exp_dir: Path  # the experiment folder, or the local working copy of `uri`
     restart: bool = False
+    uri: str | None = None  # the experiment in object storage
+    replace_study: bool = False  # --restart may delete a study this folder did not create
+
+    @property
+    def location(self) -> str:
+        """Where Tune keeps the experiment: its URI or its folder."""
+        return self.uri or str(self.exp_dir)
 
     @property
     def extra_local_cpus(self) -> int:
@@ -63,8 +77,10 @@ def plan_sweep(
     storage: str | None,
     restart: bool,
     address: str | None,
+    replace_study: bool = False,
 ) -> SweepPlan:
-    """Every check that needs no cluster: config, space, baseline, trackers, folder, study."""
+    """Every check that needs no cluster: config, space, baseline, trackers, storage (a bucket
+    that exists), folder, study. `address` is already resolved (`--address` or $RAY_ADDRESS)."""
     from experiments.study import check_new_study
 
     cfg = checked_for_workers(load_experiment(config, overrides))
@@ -73,62 +89,84 @@ def plan_sweep(
         space.baseline(cfg)
     tracking_callbacks(cfg, "check")  # a missing tracking extra, before Ray starts
     storage = check_storage(storage, "sweeps")
-    if "://" in storage:
+    name = name or cfg.name
+    if remote.is_uri(storage):
+        uri = f"{storage.rstrip('/')}/{name}"
+        exp_dir, exists = remote.working_copy(uri), remote.exists(uri)
+    else:
+        uri, exp_dir = None, Path(storage) / name
+        exists = exp_dir.exists()
+    if exists and not restart:
+        shown = uri or exp_dir
         raise UserError(
-            "gptrun sweep keeps its experiment folder on a path (NFS on a cluster); "
-            "object-store URIs are supported by `gptrun train --storage`"
-        )
-    exp_dir = Path(storage) / (name or cfg.name)
-    if exp_dir.exists() and not restart:
-        raise UserError(
-            f"experiment {exp_dir} exists; continue it with `gptrun resume "
-            f"{exp_dir}` or start over with --restart"
+            f"experiment {shown} exists; continue it with `gptrun resume {shown}` or start over "
+            "with --restart"
         )
     if cfg.sweep.storage_url:
-        check_new_study(cfg.sweep.storage_url, exp_dir.name, replace=restart)
+        owner = saved_meta(exp_dir, uri) if exists else {}
+        check_new_study(cfg.sweep.storage_url, name, restart=restart, replace=replace_study, owner=owner)
     if address is None:  # a local instance: no need to start Ray to know it is too small
         check_fits(*trial_footprint(cfg), "one trial", local_resources(local_extra_cpus(cfg)))
-    return SweepPlan(cfg, space, exp_dir, restart)
+    return SweepPlan(cfg, space, exp_dir, restart, uri, replace_study)
 
 
 def run_sweep(plan: SweepPlan) -> int:
-    """Inside a Ray session: size the sweep to the cluster, run it, summarise it."""
+    """Inside a Ray session: size the sweep to the cluster (or to what its autoscaler can add,
+    asking for those nodes while it runs), run it, summarise it."""
     cfg, exp_dir = plan.cfg, plan.exp_dir
-    require_resources(*trial_footprint(cfg), "one trial")
-    width = concurrency(cfg, *_cluster_size())
-    create_storage(str(exp_dir.parent))
-    verify_shared_storage(str(exp_dir.parent))  # every node must see the trials' checkpoints
-    if plan.restart and exp_dir.exists():
-        shutil.rmtree(exp_dir)
-    start_experiment(exp_dir, cfg, {"max_concurrent": width})
-    print(
-        f"sweep {exp_dir}: {cfg.sweep.num_samples} trials, {width} at a time, "
-        f"{trial_tokens(cfg):,} tokens each, ASHA grace {grace_tokens(cfg):,} tokens"
-        f"{', budget ' + cfg.sweep.budget if cfg.sweep.budget else ''}; study "
-        f"{shown_url(study_url(cfg, exp_dir))}",
-        flush=True,
-    )
-    new_tuner(cfg, plan.space, exp_dir, width).fit()
+    cap = cfg.sweep.max_concurrent or cfg.sweep.num_samples
+    with room_for(trial_bundles(cfg), cap, "one trial", lambda c, g: concurrency(cfg, c, g)) as width:
+        parent = plan.location.rpartition("/")[0]
+        create_storage(parent)
+        verify_shared_storage(parent)  # every node must see the trials' checkpoints
+        if plan.restart:  # every check passed: now the old experiment and its study may go
+            remove_experiment(exp_dir, plan.uri)
+            if cfg.sweep.storage_url:
+                from experiments.study import delete_study
+
+                delete_study(cfg.sweep.storage_url, exp_dir.name)
+        if plan.uri:
+            remote.open_working_copy(plan.uri, pull=False)
+        start_experiment(exp_dir, cfg, {"max_concurrent": width, **study_record(cfg, exp_dir)})
+        print(
+            f"sweep {plan.location}: {cfg.sweep.num_samples} trials, {width} at a time, "
+            f"{trial_tokens(cfg):,} tokens each, ASHA grace {grace_tokens(cfg):,} tokens"
+            f"{', budget ' + cfg.sweep.budget if cfg.sweep.budget else ''}; study "
+            f"{shown_url(study_url(cfg, exp_dir))}",
+            flush=True,
+        )
+        new_tuner(cfg, plan.space, exp_dir, width).fit()
     return finish(cfg, plan.space, exp_dir)
 
 
-def plan_resume(experiment_dir: str) -> SweepPlan:
+def study_record(cfg: RayExperiment, exp_dir: Path) -> dict[str, str]:
+    """What `sweep.json` says about the study this experiment created, so that --restart knows
+    which study in a shared database is its own (the URL without its password)."""
+    return {"study_url": shown_url(study_url(cfg, exp_dir)), "study_name": exp_dir.name}
+
+
+def plan_resume(experiment: str) -> SweepPlan:
+    """A sweep to resume: a folder or a URI (`gptrun sweep --storage s3://...` printed it)."""
     from ray import tune
 
-    exp_dir = Path(experiment_dir).expanduser().resolve()
+    exp_dir = open_experiment(experiment)
     cfg, _ = load_base(exp_dir)
-    if not tune.Tuner.can_restore(str(exp_dir)):
+    uri = experiment.rstrip("/") if remote.is_uri(experiment) else None
+    if not tune.Tuner.can_restore(uri or str(exp_dir)):
         raise UserError(
-            f"{exp_dir} has no Tune state to resume (killed before its first "
+            f"{uri or exp_dir} has no Tune state to resume (killed before its first "
             "trial started?); start it again with `gptrun sweep CONFIG --restart`"
         )
-    return SweepPlan(checked_for_workers(cfg), parse_space(cfg), exp_dir)
+    return SweepPlan(checked_for_workers(cfg), parse_space(cfg), exp_dir, uri=uri)
 
 
 def run_resume(plan: SweepPlan) -> int:
-    print(f"resuming sweep {plan.exp_dir}", flush=True)
-    restore_tuner(plan.cfg, plan.space, plan.exp_dir).fit()
-    return finish(plan.cfg, plan.space, plan.exp_dir)
+    print(f"resuming sweep {plan.location}", flush=True)
+    cfg = plan.cfg
+    cap = cfg.sweep.max_concurrent or cfg.sweep.num_samples
+    with room_for(trial_bundles(cfg), cap, "one trial", None):  # Tune keeps the saved width
+        restore_tuner(cfg, plan.space, plan.exp_dir).fit()
+    return finish(cfg, plan.space, plan.exp_dir)
 
 
 def finish(cfg: RayExperiment, space: Space, exp_dir: Path) -> int:
@@ -146,17 +184,10 @@ def finish(cfg: RayExperiment, space: Space, exp_dir: Path) -> int:
         print("no trial finished without error; see the reasons above")
         return 1
     best = min(ok, key=lambda t: t["val_loss"])
-    write_text_atomic(exp_dir / BEST_FILE, best_config(cfg, space, best, exp_dir.name).to_toml())
+    save(exp_dir, BEST_FILE, best_config(cfg, space, best, exp_dir.name).to_toml())
     print(
         f"best trial {best['trial_id']}: val loss {best['val_loss']:.4f} | config "
         f"{exp_dir / BEST_FILE} | checkpoint {best['checkpoint']}"
     )
     print(f"train it at full length: gptrun train {exp_dir / BEST_FILE}")
     return 0
-
-
-def _cluster_size() -> tuple[float, float]:
-    import ray
-
-    total = ray.cluster_resources()
-    return total.get("CPU", 0.0), total.get("GPU", 0.0)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from experiments.autoscale import room_for
 from experiments.cluster import (
     check_fits,
     check_storage,
@@ -22,7 +23,6 @@ from experiments.cluster import (
     is_local,
     local_resources,
     ray_session,
-    require_resources,
     verify_shared_storage,
 )
 from experiments.config import RayExperiment, experiment_from_dict
@@ -210,6 +210,8 @@ def root_message(err: BaseException) -> str:
 def train_on_ray(
     cfg: RayExperiment, *, address: str | None, storage: str | None, name: str | None, max_failures: int
 ) -> int:
+    """One run on Ray; `address` is already resolved (`--address` or $RAY_ADDRESS, None: a local
+    instance, checked against this machine before Ray starts)."""
     import ray
 
     cfg = checked_for_workers(cfg)
@@ -221,8 +223,11 @@ def train_on_ray(
     need = (res.workers * res.cpus_per_worker, res.workers * res.gpus_per_worker)
     if address is None and not ray.is_initialized():
         check_fits(*need, f"--workers {res.workers}", local_resources())
-    with ray_session(address):
-        require_resources(*need, f"--workers {res.workers}")
+    worker = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus_per_worker} if res.gpus_per_worker else {})}
+    with (
+        ray_session(address),
+        room_for([worker] * res.workers, 1, f"--workers {res.workers}", lambda c, g: 1),
+    ):
         create_storage(storage)
         verify_shared_storage(storage)  # a resumed worker must find the checkpoints
         print(

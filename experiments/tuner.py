@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from experiments import remote
 from experiments.budget import grace_tokens, is_lean, startup_trials, trial_resources, trial_tokens
 from experiments.config import RayExperiment, parse_duration
 from experiments.experiment import RUNS_DIR, study_url
@@ -58,13 +59,14 @@ def new_tuner(
         ),
         *tracking_callbacks(cfg, tracking_name or exp_dir.name, exp_dir),
     ]
+    storage_path, _, name = remote.location(exp_dir).rpartition("/")
     return tune.Tuner(
         trainable(cfg, space, exp_dir),
         param_space=param_space,
         tune_config=tune_config,
         run_config=tune.RunConfig(
-            name=exp_dir.name,
-            storage_path=str(exp_dir.parent),
+            name=name,
+            storage_path=storage_path,
             progress_reporter=reporter,
             verbose=1,
             stop=stop,
@@ -85,7 +87,9 @@ def restore_tuner(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
     back from Tune's state; unfinished trials continue from their last checkpoint."""
     from ray import tune
 
-    return tune.Tuner.restore(str(exp_dir), trainable=trainable(cfg, space, exp_dir), resume_errored=True)
+    return tune.Tuner.restore(
+        remote.location(exp_dir), trainable=trainable(cfg, space, exp_dir), resume_errored=True
+    )
 
 
 def trainable(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
@@ -94,7 +98,8 @@ def trainable(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
 
     base = {"config": cfg.to_dict(), "space": space}
     return tune.with_resources(
-        tune.with_parameters(run_trial, base=base, runs_storage=str(exp_dir / RUNS_DIR)), trial_resources(cfg)
+        tune.with_parameters(run_trial, base=base, runs_storage=f"{remote.location(exp_dir)}/{RUNS_DIR}"),
+        trial_resources(cfg),
     )
 
 

@@ -120,7 +120,7 @@ def test_rerun_with_the_same_name_resumes(ray_local, tiny_data, tmp_path, capsys
 
 
 def test_more_workers_than_the_cluster_fails_fast(ray_local, tiny_data, tmp_path, monkeypatch):
-    monkeypatch.setattr(cluster, "RESOURCE_WAIT_S", 2.0)
+    monkeypatch.setenv("GPTRUN_RESOURCE_WAIT_S", "2")
     cfg = tiny_cfg(tiny_data, tmp_path, "resources.workers=8")
     start = time.monotonic()
     with pytest.raises(UserError, match="needs 8 CPUs and 0 GPUs but the cluster has 2 CPUs"):

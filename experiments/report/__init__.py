@@ -10,7 +10,8 @@ from pathlib import Path
 
 from experiments.config import load_experiment
 from experiments.confirm import print_noise
-from experiments.experiment import STUDY_FILE, study_url
+from experiments.experiment import STUDY_FILE, open_experiment, study_url
+from experiments.remote import is_uri
 from experiments.report.data import best_trial, read_noise, trial_rows, write, write_tables
 from experiments.report.page import baseline_note, html_page, noise_html
 from experiments.report.plots import draw_importance, draw_noise, draw_sweep, figure_factory
@@ -20,13 +21,15 @@ from experiments.storage import dashboard_command
 
 
 def report_cli(experiment_dir: str, out: str | None) -> int:
-    """Print the table, write every report file into `out` (default EXPERIMENT_DIR/report)."""
-    exp_dir = Path(experiment_dir)
+    """Print the table, write every report file into `out` (default EXPERIMENT_DIR/report; for an
+    experiment in object storage, NAME-report in the current folder: the report is local)."""
+    exp_dir = open_experiment(experiment_dir)  # a URI: its working copy, after a bucket check
     trials = load_trials(exp_dir)  # UserError for a folder that is not a sweep
     figure = figure_factory()  # UserError without matplotlib, before anything is written
     cfg = load_experiment(exp_dir / "gptrun.toml")
     space = parse_space(cfg)
-    out_dir = Path(out) if out else exp_dir / "report"
+    default = Path(f"{exp_dir.name}-report") if is_uri(experiment_dir) else exp_dir / "report"
+    out_dir = Path(out) if out else default
     print_table(trials)
 
     rows = trial_rows(trials)

@@ -1,0 +1,196 @@
+"""Experiments in object storage (`s3://bucket/prefix/NAME`, `gs://...`, any URI pyarrow.fs opens).
+
+Where no folder is shared by every node (Kubernetes without a ReadWriteMany volume), a sweep keeps
+its state under a URI: Ray Tune writes its experiment state, the trials' results and checkpoints
+there itself (through pyarrow.fs), and gptrun's own files (`gptrun.toml`, `sweep.json`,
+`events.jsonl`, `best.toml`, `noise.json`) are uploaded there as they are written.
+
+The driver works on a local copy of those small files: the working copy, a folder in gptrun's
+cache named after the URI (`$GPTRUN_CACHE_DIR/remote/s3/bucket/prefix/NAME`), whose
+`.gptrun-remote` file holds the URI. Every reader and writer of an experiment folder works on it
+unchanged; `location` gives Tune the URI instead. The Optuna study's sqlite file stays in the
+working copy, next to the driver: sqlite cannot live in an object store, and a study served
+from elsewhere is what `sweep.storage_url` (PostgreSQL) is for, which a sweep resumed from
+another machine needs.
+
+A missing bucket, refused credentials or an unreachable endpoint are one line before Ray starts
+(`check_bucket`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+from pathlib import Path
+from typing import Any
+
+from gptcore.errors import UserError
+
+MARKER = ".gptrun-remote"
+CHECK_TIMEOUT_S = 30.0  # pyarrow's S3 client retries a dead endpoint for ~6 s, a slow one longer
+# gptrun's own files of an experiment (and of its confirm run): what a working copy pulls.
+OWN_FILES = ("gptrun.toml", "sweep.json", "events.jsonl", "best.toml", "noise.json")
+SCHEMES = {"gcs": "gs"}  # pyarrow's filesystem type name -> the URI scheme users write
+
+
+def is_uri(location: str | Path) -> bool:
+    text = str(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def filesystem(uri: str) -> tuple[Any, str]:
+    """(pyarrow filesystem, path inside it) of `uri`, or one line when pyarrow cannot open it."""
+    import pyarrow.fs
+
+    try:
+        return pyarrow.fs.FileSystem.from_uri(uri)
+    except Exception as err:  # ArrowInvalid / OSError: an unknown scheme, a malformed URI
+        raise UserError(f"{uri}: {_first_line(err)}") from None
+
+
+def check_bucket(uri: str) -> None:
+    """One line, before Ray starts, when the bucket of `uri` does not exist, the credentials are
+    missing or refused, or the endpoint does not answer (bounded by CHECK_TIMEOUT_S)."""
+    import pyarrow.fs
+
+    fs, path = filesystem(uri)
+    bucket = path.split("/", 1)[0]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        info = pool.submit(fs.get_file_info, bucket).result(timeout=CHECK_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        raise UserError(
+            f"{uri}: the object store did not answer within {CHECK_TIMEOUT_S:g}s; check the "
+            "endpoint (AWS_ENDPOINT_URL) and the network"
+        ) from None
+    except OSError as err:
+        raise UserError(f"{uri}: {_storage_error(err)}") from None
+    finally:
+        pool.shutdown(wait=False)
+    if info.type == pyarrow.fs.FileType.NotFound:
+        raise UserError(f"{uri}: bucket {bucket!r} does not exist; create it first or fix the URI")
+
+
+def _storage_error(err: OSError) -> str:
+    text = _first_line(err)
+    lower = text.lower()
+    if any(k in lower for k in ("access_denied", "accessdenied", "403", "invalidaccesskeyid", "signature")):
+        return f"access refused ({text}); check the credentials (AWS_ACCESS_KEY_ID / a profile / the role)"
+    if "credential" in lower:
+        return f"no credentials ({text}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or a profile"
+    if any(k in lower for k in ("network_connection", "connect", "resolve", "timeout")):
+        return f"cannot reach the object store ({text}); check the endpoint (AWS_ENDPOINT_URL)"
+    return text
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[0] if lines else type(err).__name__)[:300]
+
+
+def working_copy(uri: str) -> Path:
+    """The local folder that stands for experiment `uri` on this machine (in gptrun's cache)."""
+    from gptcore.data import cache_dir
+
+    fs, path = filesystem(uri)
+    scheme = SCHEMES.get(fs.type_name, fs.type_name)
+    return cache_dir() / "remote" / scheme / path.strip("/")
+
+
+def location(folder: Path) -> str:
+    """Where Ray Tune keeps `folder`: its URI for a working copy (or a folder inside one, such
+    as `confirm/`), else the absolute local path."""
+    folder = folder.resolve()
+    for parent in (folder, *folder.parents):
+        marker = parent / MARKER
+        if marker.is_file():
+            rest = folder.relative_to(parent).as_posix()
+            uri = marker.read_text().strip()
+            return uri if rest == "." else f"{uri}/{rest}"
+    return str(folder)
+
+
+def open_working_copy(uri: str, *, pull: bool) -> Path:
+    """The working copy of experiment `uri`, made if missing, with gptrun's own files fetched from
+    the URI (`pull`) so that it shows the experiment as the object store holds it."""
+    uri = uri.rstrip("/")
+    folder = working_copy(uri)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARKER).write_text(uri + "\n")
+    if pull:
+        for sub in ("", "confirm/"):
+            for name in OWN_FILES:
+                download(f"{uri}/{sub}{name}", folder / sub / name)
+    return folder
+
+
+def download(uri: str, dest: Path) -> bool:
+    """Copy one object to `dest` (whole or not at all); False when there is none."""
+    import pyarrow.fs
+
+    from gptcore.atomic import atomic_file
+
+    fs, path = filesystem(uri)
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        dest.unlink(missing_ok=True)  # gone from the store: not in the copy either
+        return False
+    with atomic_file(dest) as tmp, fs.open_input_stream(path) as src, open(tmp, "wb") as out:
+        shutil.copyfileobj(src, out)
+    return True
+
+
+def read_text(uri: str) -> str | None:
+    """The text of one object, None when there is none."""
+    import pyarrow.fs
+
+    fs, path = filesystem(uri)
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as src:
+        return src.read().decode("utf-8")
+
+
+def upload(folder: Path, name: str) -> None:
+    """Copy `folder/name` to the experiment's URI when `folder` is (inside) a working copy."""
+    target = location(folder)
+    if not is_uri(target):
+        return
+    fs, path = filesystem(f"{target}/{name}")
+    with open(folder / name, "rb") as src, fs.open_output_stream(path) as out:
+        shutil.copyfileobj(src, out)
+
+
+def has_tune_state(where: str) -> bool:
+    """Whether Tune has saved an experiment state in folder or URI `where`."""
+    import pyarrow.fs
+
+    fs, path = filesystem(where) if is_uri(where) else (pyarrow.fs.LocalFileSystem(), where)
+    found = fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
+    return any(Path(f.path).name.startswith("experiment_state-") for f in found)
+
+
+def exists(uri: str) -> bool:
+    """Whether anything is stored under `uri`."""
+    import pyarrow.fs
+
+    fs, path = filesystem(uri)
+    return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
+
+
+def delete(uri: str) -> None:
+    """Everything under `uri` (an experiment that --restart replaces)."""
+    import pyarrow.fs
+
+    fs, path = filesystem(uri)
+    info = fs.get_file_info(path)
+    if info.type == pyarrow.fs.FileType.Directory:
+        fs.delete_dir(path)
+    elif info.type == pyarrow.fs.FileType.File:
+        fs.delete_file(path)
+
+
+def shown_path(path: str, fs: Any) -> str:
+    """A path inside `fs` as a user writes it: with its scheme for object stores."""
+    if fs is None or fs.type_name == "local":
+        return path
+    return f"{SCHEMES.get(fs.type_name, fs.type_name)}://{path}"
