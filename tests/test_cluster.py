@@ -163,6 +163,29 @@ def test_ray_address_env_is_the_default_address(monkeypatch):
     assert cluster.resolve_address(None) is None
 
 
+@pytest.mark.parametrize("command", ["sweep", "train"])
+def test_ray_address_is_the_cluster_checked_not_this_machine(tiny_data, tmp_path, command):
+    """With $RAY_ADDRESS set and no --address, a GPU request from a CPU-only client is for the
+    cluster to judge: the client probes the address (here: nothing listens) instead of refusing
+    because this machine has no GPU."""
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
+    port = free_port()
+    args = [command, str(config), "--storage", str(tmp_path / "out"), "--set", "resources.gpus_per_worker=1"]
+    proc, took = run_clean(args, clean_env(tmp_path, RAY_ADDRESS=f"127.0.0.1:{port}"))
+    assert_user_error(proc, f"nothing answers at --address 127.0.0.1:{port}")
+    assert took < WAIT_S, took
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("variable", ["GPTRUN_RESOURCE_WAIT_S", "GPTRUN_AUTOSCALE_WAIT_S"])
+def test_a_wait_that_is_not_a_number_is_one_line(tiny_data, tmp_path, variable):
+    config = tmp_path / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    env = clean_env(tmp_path, **{variable: "20s"})
+    proc, _ = run_clean(["train", str(config), "--address", f"127.0.0.1:{free_port()}"], env)
+    assert_user_error(proc, f"{variable}='20s' is not a number of seconds")
+
+
 def test_check_storage_creates_nothing_and_create_storage_does(tmp_path):
     target = tmp_path / "a" / "b"
     resolved = cluster.check_storage(str(target), "unused")

@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-from experiments import cluster
 from experiments.config import load_experiment
 from experiments.train import build_trainer, train_on_ray
 from gptcore.errors import UserError
