@@ -1,0 +1,146 @@
+"""An autoscaling cluster on this machine: `cluster/local.sh up --autoscale 2` starts a head with no
+CPU (production practice: the head runs no trial) whose Ray autoscaler, with Ray's fake
+multi-node provider, adds 1-CPU worker nodes (min 0, max 2) and removes them after 5 s idle.
+
+A sweep started on it with no worker node asks the autoscaler for nodes, runs every trial on the
+nodes it adds, releases its request, and the idle nodes go away; a trial that no node type can
+hold is refused in one line; `gptrun plan --address` shows the cluster's maximum.
+
+The module shares one cluster for all its tests; `down` at the end checks that no process of it
+(the added nodes included) is left."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, assert_user_error, write_sweep_config
+from tests.test_cluster import (
+    LocalCluster,
+    exp_trials,
+    local_sh,
+    run_clean,
+    sweep_args,
+    tune_statuses,
+    wait_for,
+)
+
+pytestmark = pytest.mark.ray
+IDLE_S = 5
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    state = tmp_path_factory.mktemp("autoscaling") / "state"
+    proc = local_sh(
+        "up", "--autoscale", "2", "--head-cpus", "0", "--cpus-per-node", "1",
+        "--idle-timeout-s", str(IDLE_S), state=state,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "autoscaling to 2 worker node(s) of 1 CPU(s)" in proc.stdout, proc.stdout
+    lc = LocalCluster(state)
+    seen = list(lc.state["nodes"])
+    try:
+        yield lc
+    finally:
+        if (state / "state.json").exists():
+            local_sh("down", "--grace", "10", state=state)
+        lc.kill_everything(seen)
+
+
+QUERY = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from ray._raylet import GcsClient
+from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+import local
+state = json.load(open(sys.argv[2]))
+raw = GcsClient(address=state["address"]).internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL.encode(), None)
+nodes = local.gcs_nodes(state)
+print(json.dumps({"nodes": nodes, "request": json.loads(raw) if raw else []}))
+"""
+
+
+def cluster_view(lc: LocalCluster) -> dict[str, Any]:
+    """The GCS's nodes (alive and gone) and what the autoscaler is asked for now (the channel of
+    `request_resources`), read in a child process: a GCS client caches the cluster's token."""
+    proc = subprocess.run(
+        [sys.executable, "-c", QUERY, str(REPO / "cluster"), str(lc.dir / "state.json")],
+        env=lc.client_env(lc.dir),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def alive_workers(lc: LocalCluster) -> set[str]:
+    return {n["node_id"] for n in cluster_view(lc)["nodes"] if n["alive"] and not n["head"]}
+
+
+def test_plan_shows_what_the_cluster_can_grow_to(elastic, tiny_data, tmp_path):
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=8)
+    args = ["plan", str(config), "--address", elastic.address, "--tokens-per-sec", "1000"]
+    proc, _ = run_clean(args, elastic.client_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "4, 2 at a time" in proc.stdout, proc.stdout
+    assert (
+        "0 CPU / 0 GPU now, 2 CPUs and 0 GPUs at most (ray.worker.cpu: 1 CPU, 0 GPU, up to 2" in proc.stdout
+    )
+
+
+def test_a_trial_no_node_type_can_hold_is_refused_in_seconds(elastic, tiny_data, tmp_path):
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
+    storage = tmp_path / "sweeps"
+    proc, took = run_clean(
+        sweep_args(config, "big", storage, elastic.address, cpus=8), elastic.client_env(tmp_path)
+    )
+    assert_user_error(proc, "1 x (8 CPU + 0 GPU), which no node type of the autoscaler can hold")
+    assert "ray.worker.cpu: 1 CPU, 0 GPU (max 2)" in proc.stderr
+    assert took < 60, took  # connecting and reading the autoscaler's config: no wait for nodes
+    assert not storage.exists()
+
+
+@pytest.mark.slow
+def test_sweep_grows_the_cluster_from_nothing_and_lets_it_shrink(elastic, tiny_data, tmp_path):
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=24)
+    storage = tmp_path / "sweeps"
+    wait_for(lambda: not alive_workers(elastic), 120, "a cluster with no worker node")
+    head = next(n["node_id"] for n in cluster_view(elastic)["nodes"] if n["head"])
+    proc, _ = run_clean(
+        sweep_args(config, "grow", storage, elastic.address), elastic.client_env(tmp_path), 600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "waiting for 2 node(s) from the autoscaler (2 x ray.worker.cpu): 0/2 up" in proc.stdout
+    assert "4 trials, 2 at a time" in proc.stdout
+
+    trials = exp_trials(storage / "grow")
+    statuses = tune_statuses(storage / "grow")
+    assert len(trials) == 4 and set(statuses.values()) == {"TERMINATED"}, statuses
+    nodes = {rows[-1]["node_id"] for rows in trials.values()}
+    view = cluster_view(elastic)
+    known = {n["node_id"] for n in view["nodes"]}  # alive or gone: the GCS remembers them
+    assert head not in nodes and nodes <= known, (nodes, known)
+
+    from experiments.report.data import trial_rows
+    from experiments.results import load_trials
+
+    assert {r["node_id"] for r in trial_rows(load_trials(storage / "grow"))} == nodes  # the node column
+    assert view["request"] == []  # released: nothing keeps the nodes
+    wait_for(lambda: not alive_workers(elastic), 120, "the idle nodes to go away")
+
+
+def test_down_leaves_no_process(elastic):
+    """Last in the module: stops the cluster, the nodes its autoscaler added included."""
+    nodes = elastic.state["nodes"]
+    assert elastic.pids(nodes)
+    proc = local_sh("down", state=elastic.dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert elastic.pids(nodes) == []
+    assert elastic.local.proc_stat(nodes[0]["pid"]) is None

@@ -1,0 +1,172 @@
+"""Sweeps whose state lives in object storage, on a real S3-compatible server: moto's server on a
+free loopback port, which pyarrow (and so Ray Tune) reaches through AWS_ENDPOINT_URL.
+
+A sweep with `--storage s3://...` whose driver is SIGKILLed mid-sweep is finished by
+`gptrun resume s3://...` with no trial lost or repeated, `gptrun report s3://...` writes its page
+locally, `--restart` deletes under the URI; a missing bucket or an endpoint that does not answer
+is one line, exit 2, before Ray starts, with nothing written."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, assert_user_error, run_cli, write_sweep_config
+
+BUCKET = "gptrun-test"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A moto S3 server with one bucket; the environment a client needs to reach it (fake
+    credentials, no instance metadata lookups, a cache of its own for the working copies)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "GPTRUN_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
+    }
+    boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=BUCKET)
+    try:
+        yield env
+    finally:
+        server.stop()
+
+
+def keys(env: dict[str, str], prefix: str) -> list[str]:
+    """Every object key under `prefix` in the test bucket."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    found: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        found += [obj["Key"] for obj in page.get("Contents", [])]
+    return found
+
+
+def result_rows(env: dict[str, str], prefix: str) -> dict[str, list[dict]]:
+    """Every report of every trial, from the trials' result.json objects."""
+    import json
+
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    rows: dict[str, list[dict]] = {}
+    for key in keys(env, prefix):
+        if key.endswith("/result.json") and "/runs/" not in key:
+            text = client.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+            if records:
+                rows[records[0]["trial_id"]] = records
+    return rows
+
+
+def test_missing_bucket_is_one_line_and_writes_nothing(s3, tiny_data, tmp_path):
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
+    proc = run_cli("sweep", str(config), "--storage", "s3://no-such-bucket/sweeps", env=s3, timeout=120)
+    assert_user_error(proc, "bucket 'no-such-bucket' does not exist")
+    assert not (Path(s3["GPTRUN_CACHE_DIR"]) / "remote").exists()
+    for command in ("report", "resume"):
+        proc = run_cli(command, "s3://no-such-bucket/sweeps/x", env=s3, timeout=120)
+        assert_user_error(proc, "bucket 'no-such-bucket' does not exist")
+
+
+def test_unreachable_endpoint_is_one_line(s3, tiny_data, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
+    env = {**s3, "AWS_ENDPOINT_URL": dead}
+    proc = run_cli("sweep", str(config), "--storage", f"s3://{BUCKET}/sweeps", env=env, timeout=120)
+    assert_user_error(proc, "cannot reach the object store")
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
+    steps, every = 120, 10
+    config = write_sweep_config(tiny_data, tmp_path / "cfg", n=3, max_steps=steps)
+    uri = f"s3://{BUCKET}/sweeps/killed"
+    args = ["sweep", str(config), "--name", "killed", "--storage", f"s3://{BUCKET}/sweeps"]
+    for item in ("sweep.grace_tokens=100000000", f"train.eval_interval={every}", "sweep.max_concurrent=2"):
+        args += ["--set", item]
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "experiments", *args],
+        env={**os.environ, **s3, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:  # until Tune has saved a state in which a trial has a checkpoint and is not finished
+        deadline = time.monotonic() + 300
+        while not any(
+            2 * every <= rows[-1]["step"] < steps for rows in result_rows(s3, "sweeps/killed/").values()
+        ) or not any("experiment_state" in k for k in keys(s3, "sweeps/killed/")):
+            assert driver.poll() is None, "the sweep ended before it was killed"
+            assert time.monotonic() < deadline, "no trial got half-way in time"
+            time.sleep(0.5)
+    finally:  # the driver and the local Ray it started: its own process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+    before = result_rows(s3, "sweeps/killed/")
+
+    proc = run_cli("resume", uri, env=s3, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    after = result_rows(s3, "sweeps/killed/")
+    assert len(after) == 3 and set(before) <= set(after), (sorted(before), sorted(after))
+    assert all(rows[-1]["step"] == steps for rows in after.values()), after
+    resumed = [tid for tid, rows in before.items() if rows[-1]["step"] < steps]
+    for tid in resumed:  # continued from a checkpoint, not from step 0
+        assert any(r.get("resumed_from", 0) > 0 for r in after[tid]), after[tid]
+    names = {k.rsplit("/", 1)[-1] for k in keys(s3, "sweeps/killed/")}
+    assert {"gptrun.toml", "sweep.json", "events.jsonl", "best.toml"} <= names
+
+    out = tmp_path / "report"
+    proc = run_cli("report", uri, "--out", str(out), env=s3, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "report.html").exists() and (out / "trials.csv").exists()
+    assert f"s3://{BUCKET}/sweeps/killed/trial_" in (out / "trials.csv").read_text()  # checkpoints
+
+    old = {k for k in keys(s3, "sweeps/killed/") if "/trial_" in k}
+    restart = [*args[:1], str(config), "--name", "killed", "--storage", f"s3://{BUCKET}/sweeps"]
+    restart += ["--restart", "--set", "sweep.num_samples=1", "--set", "train.max_steps=8"]
+    proc = run_cli(*restart, env=s3, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not old & set(keys(s3, "sweeps/killed/"))  # the old trials are gone from the bucket
+    assert len(result_rows(s3, "sweeps/killed/")) == 1
