@@ -65,9 +65,12 @@ test-services:
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; \
 	else echo "note: no PostgreSQL server binaries; run 'apt-get install postgresql' as root" >&2; fi
 
+# ruff format also checks the python code blocks of every Markdown file (README.md, docs/*.md,
+# cluster/README.md); tests/test_docs.py checks their links and their gptrun command lines.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q tests/test_docs.py
 
 clean:
 	rm -rf $(VENV) data runs sweeps exports
