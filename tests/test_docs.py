@@ -1,7 +1,8 @@
 """The documentation works from a fresh clone: every relative link in README.md, docs/*.md and
 cluster/README.md points to a file that exists (and its `#anchor` to a heading in it), and every
 `gptrun ...` line in their bash code blocks parses with the real argument parser, with its
-`--set` overrides applied to the shipped config it names. Fast: no Ray, no training.
+`--set` overrides applied to the shipped config it names. Every docs page is linked from the
+README, and the README's Layout names every module. Fast: no Ray, no training.
 
 The checkers take a page's text, so the tests at the bottom can show that they do fail on a
 broken link, a missing anchor, a misspelled flag and an unknown config key.
