@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install demo chat-demo test test-services lint bench clean
+.PHONY: install demo chat-demo test test-services lint clean
 
 install: $(VENV)/.installed
 
