@@ -18,7 +18,7 @@ from experiments.report.data import best_trial, trial_rows
 from experiments.report.page import html_page
 from experiments.results import print_table
 from experiments.table import print_columns
-from tests.conftest import assert_user_error, run_cli
+from tests.conftest import assert_user_error, run_cli, study_values
 
 PNGS = ("curves.png", "lr.png", "warmup.png", "parallel.png")
 FILES = ("trials.parquet", "trials.csv", "curves.parquet", "report.html", "best.toml", *PNGS)
@@ -148,6 +148,26 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
     assert best["trial_id"] in page and "checkpoint" in page
     assert f"<td>{rows[0]['node_id'][:8]}</td>" in page and rows[0]["node_id"] not in page
     assert "ran with the baseline config" in page and "<table>" in page
+
+
+def test_study_holds_every_report_of_every_trial(finished_sweep: Path, tmp_path: Path) -> None:
+    """Each study trial's intermediate values are its curve in curves.parquet, the last report
+    included (Tune hands the result that ends a trial to `on_trial_complete` only); a PRUNED
+    trial's value is the loss at which ASHA stopped it, a COMPLETE one's its final loss."""
+    proc = run_cli("report", str(finished_sweep), "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    curves: dict[str, dict[int, float]] = {}
+    for row in pq.read_table(tmp_path / "curves.parquet").to_pylist():
+        curves.setdefault(row["trial_id"], {})[int(row["tokens"])] = row["val_loss"]
+    statuses = {r["trial_id"]: r["status"] for r in pq.read_table(tmp_path / "trials.parquet").to_pylist()}
+    study = study_values(f"sqlite:///{finished_sweep / 'optuna.db'}", finished_sweep.name)
+    assert sorted(study) == sorted(curves) == sorted(statuses)
+    for tid, (state, value, steps) in study.items():
+        assert steps == pytest.approx(curves[tid], rel=1e-12), tid
+        last = curves[tid][max(curves[tid])]
+        expected = {"stopped early": "PRUNED", "completed": "COMPLETE"}[statuses[tid]]
+        assert (state, value) == (expected, pytest.approx(last, rel=1e-12)), (tid, statuses[tid])
+    assert {state for state, _, _ in study.values()} == {"PRUNED", "COMPLETE"}
 
 
 def test_report_interrupted_sweep(finished_sweep: Path, tmp_path: Path) -> None:
