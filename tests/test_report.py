@@ -18,7 +18,7 @@ from experiments.report.data import best_trial, trial_rows
 from experiments.report.page import html_page
 from experiments.results import print_table
 from experiments.table import print_columns
-from tests.conftest import assert_user_error, run_cli
+from tests.conftest import assert_user_error, run_cli, study_values
 
 PNGS = ("curves.png", "lr.png", "warmup.png", "parallel.png")
 FILES = ("trials.parquet", "trials.csv", "curves.parquet", "report.html", "best.toml", *PNGS)
@@ -100,10 +100,46 @@ def test_rows_best_and_page_from_made_up_trials(tmp_path: Path) -> None:
     assert best_trial(trials)["trial_id"] == "ok"  # unfinished and diverged trials never win
     assert best_trial(trials[:1]) is None
 
-    page = html_page(tmp_path / "sweep", trials, rows, best_trial(trials), None, "")
+    page = html_page(tmp_path / "sweep", trials, rows, best_trial(trials), (True, "1 left out"), "")
     assert "<td>c108cccc</td>" in page and NODE not in page  # 8 characters in the page
     assert "<td>2.5</td><td>-</td>" in page  # start-up, then an unknown wind-down
     assert "<tr class='cut-by-budget'>" in page and "Best trial <b>ok</b>" in page
+    assert "<img src='importance.png' alt='hyperparameter importance'><p>1 left out</p>" in page
+    page = html_page(tmp_path / "sweep", trials, rows, None, (False, "No optuna.db"), "")
+    assert "src='importance.png'" not in page and "<p>No optuna.db</p>" in page
+
+
+def test_importance_budget_leaves_out_trials_without_a_report_by_then() -> None:
+    """The common budget is the largest token count every reporting trial reached; a finished
+    trial with no report at or before it (one that failed before its first evaluation, or whose
+    only value is a failure's score at the full budget, as earlier gptrun wrote it) is left out
+    and counted, not a `max()` of nothing that drops the importances of the whole sweep."""
+    import optuna
+
+    from experiments.report.plots import _at_common_budget
+
+    lr = optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)
+    state = optuna.trial.TrialState
+
+    def trial(lr_value: float, steps: dict[int, float], value: float | None, st: Any = state.COMPLETE) -> Any:
+        return optuna.trial.create_trial(
+            params={"optim.lr": lr_value},
+            distributions={"optim.lr": lr},
+            value=value,
+            intermediate_values=steps,
+            state=st,
+        )
+
+    trials = [
+        trial(1e-3, {512: 5.0, 1024: 4.6}, 4.6, state.PRUNED),  # ASHA stopped it at 1024 tokens
+        trial(2e-3, {512: 5.2, 1024: 4.4, 3072: 3.7}, 3.7),  # completed
+        trial(3e-3, {}, 11.9),  # failed before its first evaluation: a bad score, no report
+        trial(4e-3, {3072: 11.9}, 11.9),  # the same, as an earlier gptrun recorded it
+        trial(5e-3, {512: 5.9}, None, state.FAIL),  # a Tune error: never counted
+    ]
+    common, study, left_out = _at_common_budget(trials)
+    assert (common, left_out) == (1024, 2)
+    assert [(t.params["optim.lr"], t.value) for t in study.trials] == [(1e-3, 4.6), (2e-3, 4.4)]
 
 
 def _trial_dirs(exp_dir: Path) -> list[Path]:
@@ -148,6 +184,26 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
     assert best["trial_id"] in page and "checkpoint" in page
     assert f"<td>{rows[0]['node_id'][:8]}</td>" in page and rows[0]["node_id"] not in page
     assert "ran with the baseline config" in page and "<table>" in page
+
+
+def test_study_holds_every_report_of_every_trial(finished_sweep: Path, tmp_path: Path) -> None:
+    """Each study trial's intermediate values are its curve in curves.parquet, the last report
+    included (Tune hands the result that ends a trial to `on_trial_complete` only); a PRUNED
+    trial's value is the loss at which ASHA stopped it, a COMPLETE one's its final loss."""
+    proc = run_cli("report", str(finished_sweep), "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    curves: dict[str, dict[int, float]] = {}
+    for row in pq.read_table(tmp_path / "curves.parquet").to_pylist():
+        curves.setdefault(row["trial_id"], {})[int(row["tokens"])] = row["val_loss"]
+    statuses = {r["trial_id"]: r["status"] for r in pq.read_table(tmp_path / "trials.parquet").to_pylist()}
+    study = study_values(f"sqlite:///{finished_sweep / 'optuna.db'}", finished_sweep.name)
+    assert sorted(study) == sorted(curves) == sorted(statuses)
+    for tid, (state, value, steps) in study.items():
+        assert steps == pytest.approx(curves[tid], rel=1e-12), tid
+        last = curves[tid][max(curves[tid])]
+        expected = {"stopped early": "PRUNED", "completed": "COMPLETE"}[statuses[tid]]
+        assert (state, value) == (expected, pytest.approx(last, rel=1e-12)), (tid, statuses[tid])
+    assert {state for state, _, _ in study.values()} == {"PRUNED", "COMPLETE"}
 
 
 def test_report_interrupted_sweep(finished_sweep: Path, tmp_path: Path) -> None:

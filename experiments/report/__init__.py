@@ -47,14 +47,16 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     if cfg.sweep.storage_url or (exp_dir / STUDY_FILE).exists():
         print(f"study: {dashboard_command(study_url(cfg, exp_dir))}")
     draw_sweep(figure, trials, curves, space, best["trial_id"] if best else None, out_dir)
-    importance_note = draw_importance(figure, exp_dir, cfg, out_dir)
+    importance = draw_importance(figure, exp_dir, cfg, out_dir)
+    if importance[0] and importance[1]:
+        print(importance[1])
     noise = read_noise(exp_dir)
     (out_dir / "noise.png").unlink(missing_ok=True)  # never leave a stale one behind
     if noise is not None:
         print_noise(noise)
         draw_noise(figure, noise, out_dir)
     section = baseline_note(cfg, space, trials) + noise_html(noise, exp_dir)
-    page = html_page(exp_dir, trials, rows, best, importance_note, section)
+    page = html_page(exp_dir, trials, rows, best, importance, section)
     write(out_dir / "report.html", lambda tmp: tmp.write_text(page, encoding="utf-8"))
     print(f"report: {(out_dir / 'report.html').resolve()}")
     return 0

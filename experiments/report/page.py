@@ -20,11 +20,11 @@ def html_page(
     trials: list[dict[str, Any]],
     rows: list[dict[str, Any]],
     best: dict[str, Any] | None,
-    importance_note: str | None,
+    importance: tuple[bool, str],
     noise: str,
 ) -> str:
     """The whole page. `rows` are the trials.parquet rows (node ids cut to 8 characters here);
-    `importance_note` says why there is no importance plot; `noise` is the noise section's HTML."""
+    `importance` is `draw_importance`'s answer (drawn, note); `noise` is the noise section's HTML."""
     counts = ", ".join(f"{n} {s}" for s, n in Counter(t["status"] for t in trials).items())
     head = "".join(f"<th>{escape(k)}</th>" for k in (rows[0] if rows else ()))
     body = "".join(
@@ -41,10 +41,9 @@ def html_page(
         else "No trial has finished without error yet, so there is no best config."
     )
     plots = "".join(f"<h2>{title}</h2><img src='{name}' alt='{title}'>" for name, title in PLOTS)
-    imp = (
-        f"<p>{escape(importance_note)}</p>"
-        if importance_note
-        else "<img src='importance.png' alt='hyperparameter importance'>"
+    drawn, note = importance
+    imp = ("<img src='importance.png' alt='hyperparameter importance'>" if drawn else "") + (
+        f"<p>{escape(note)}</p>" if note else ""
     )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>gptrun sweep {escape(exp_dir.name)}</title>

@@ -75,31 +75,33 @@ def draw_sweep(
     _save(_plot_parallel(figure(), trials, space, best_id), out_dir / "parallel.png")
 
 
-def draw_importance(figure: Any, exp_dir: Path, cfg: RayExperiment, out_dir: Path) -> str | None:
-    """Draw importance.png from the Optuna study; return why not when it cannot be drawn.
+def draw_importance(figure: Any, exp_dir: Path, cfg: RayExperiment, out_dir: Path) -> tuple[bool, str]:
+    """Draw importance.png from the Optuna study. Returns whether it was drawn, and a note for the
+    report: why it was not, or how many trials it leaves out.
 
     ASHA lets only the better trials run to the end, so the completed trials alone say little
     about what mattered. Every trial with reports is compared instead at the largest token count
     that all of them reached (ASHA's first rung, when it stopped some), by its validation loss
-    there: Optuna's PED-ANOVA on that common budget."""
+    there: Optuna's PED-ANOVA on that common budget. A trial with no evaluation by then (one that
+    failed before its first) is left out, and counted in the note."""
     (out_dir / "importance.png").unlink(missing_ok=True)  # never leave a stale one behind
     if not cfg.sweep.storage_url and not (exp_dir / STUDY_FILE).exists():
-        return f"No {STUDY_FILE} in the experiment folder (no trial has started), so no importances."
+        return False, f"No {STUDY_FILE} in the experiment folder (no trial has started), so no importances."
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         study = optuna.load_study(study_name=exp_dir.name, storage=rdb_storage(study_url(cfg, exp_dir)))
-        common, at_common = _at_common_budget(study.trials)
+        common, at_common, left_out = _at_common_budget(study.trials)
         if len(at_common.trials) < 2:
-            return (
+            return False, (
                 f"Only {len(at_common.trials)} trial(s) with reports in the Optuna study; importances need 2."
             )
         importances = optuna.importance.get_param_importances(
             at_common, evaluator=optuna.importance.PedAnovaImportanceEvaluator()
         )
     except (KeyError, ValueError, RuntimeError, UserError) as err:  # UserError: the server is down
-        return f"Importances could not be computed: {err}"
+        return False, f"Importances could not be computed: {err}"
     fig, ax = figure()
     ax.barh(list(importances)[::-1], list(importances.values())[::-1], color="tab:blue")
     ax.set(
@@ -107,30 +109,34 @@ def draw_importance(figure: Any, exp_dir: Path, cfg: RayExperiment, out_dir: Pat
         title=f"Hyperparameter importance: val loss at {common:,} tokens ({len(at_common.trials)} trials)",
     )
     _save(fig, out_dir / "importance.png")
-    return None
+    if not left_out:
+        return True, ""
+    return True, (
+        f"Importances leave out {left_out} finished trial(s) with no evaluation at or before "
+        f"{common:,} tokens (they failed before their first)."
+    )
 
 
-def _at_common_budget(trials: list[Any]) -> tuple[int, Any]:
+def _at_common_budget(trials: list[Any]) -> tuple[int, Any, int]:
     """An in-memory study holding each reporting trial once, valued by its last validation loss
-    at or before the largest token count that every such trial reached."""
+    at or before the largest token count that every such trial reached; that count; and how many
+    finished trials it leaves out for want of a report by then."""
     import optuna
 
-    reported = [
-        t
-        for t in trials
-        if t.intermediate_values
-        and t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    finished = [
+        t for t in trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     ]
-    common = min((max(t.intermediate_values) for t in reported), default=0)
+    common = min((max(t.intermediate_values) for t in finished if t.intermediate_values), default=0)
     study = optuna.create_study(direction="minimize")
-    for t in reported:
-        step = max(s for s in t.intermediate_values if s <= common)
-        study.add_trial(
-            optuna.trial.create_trial(
-                params=t.params, distributions=t.distributions, value=t.intermediate_values[step]
+    for t in finished:
+        steps = [s for s in t.intermediate_values if s <= common]
+        if steps:
+            study.add_trial(
+                optuna.trial.create_trial(
+                    params=t.params, distributions=t.distributions, value=t.intermediate_values[max(steps)]
+                )
             )
-        )
-    return common, study
+    return common, study, len(finished) - len(study.trials)
 
 
 def draw_noise(figure: Any, noise: dict[str, Any], out_dir: Path) -> None:
