@@ -115,12 +115,12 @@ def test_terminal_table(capsys: pytest.CaptureFixture[str]) -> None:
         space,
         common,
     )
-    assert capsys.readouterr().out.splitlines() == [
-        "#    lr  warmup  weight_decay  tokens  val_loss  at 3.07k   best    bpb         status  wall      node",
-        "1  3e-3     0.1          1e-1   3.07k     3.757       3.9  3.757  1.879      completed    4s  c108cccc",
-        "2  3e-3     0.1          1e-1   12.3k         4         -      4      2  cut by budget    4s         -",
-        "  t2 cut by budget: time budget",
-    ]
+    assert [line.split() for line in capsys.readouterr().out.splitlines()] == [
+        "# lr warmup weight_decay tokens val_loss at 3.07k best bpb status wall node".split(),
+        "1 3e-3 0.1 1e-1 3.07k 3.757 3.9 3.757 1.879 completed 4s c108cccc".split(),
+        "2 3e-3 0.1 1e-1 12.3k 4 - 4 2 cut by budget 4s -".split(),
+        "t2 cut by budget: time budget".split(),
+    ]  # print_columns' alignment is tested above
 
 
 K = 1024
@@ -238,14 +238,14 @@ class Page(HTMLParser):
 
     def __init__(self, html: str) -> None:
         super().__init__()
-        self.refs: list[tuple[str, str, str]] = []
+        self.refs: list[tuple[str, str]] = []  # (tag, src or href)
         self.ids: set[str] = set()
         self.scripts: list[str] = []
         self.feed(html)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attr = dict(attrs)
-        self.refs += [(tag, k, attr[k] or "") for k in ("src", "href") if k in attr]
+        self.refs += [(tag, attr[k] or "") for k in ("src", "href") if k in attr]
         if "id" in attr:
             self.ids.add(attr["id"] or "")
 
@@ -260,7 +260,7 @@ def check_page(html: str, out_dir: Path, plots: tuple[str, ...]) -> dict[str, li
     and each of `plots` has its <div> and a Plotly.newPlot call with data. Returns each plot's
     traces."""
     page = Page(html)
-    for tag, attr, value in page.refs:
+    for tag, value in page.refs:
         assert not re.match(r"^(\w+:|//)", value) or value.startswith("data:image/png;base64,"), (tag, value)
         assert not (tag == "script" or tag == "link"), (tag, value)  # all inline
         if not value.startswith("data:"):
@@ -356,11 +356,13 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
     assert "val_loss" in proc.stdout and "best trial" in proc.stdout
     assert f"study: optuna-dashboard sqlite:///{(finished_sweep / 'optuna.db').resolve()}\n" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1].endswith(str(out / "report.html"))
-    for name in (*FILES, "importance.png"):  # the fixture finished, so optuna.db exists
+    for name in (*FILES, "noise.png"):
         assert (out / name).is_file(), name
-    for name in (*PNGS, "importance.png"):
+    for name in (*PNGS, "noise.png"):
         image = imread(out / name)
         assert image.ndim == 3 and image.shape[0] >= 300 and image.shape[1] >= 400, (name, image.shape)
+    # 6 trials: no importances, and the report says why.
+    assert not (out / "importance.png").exists() and f"importances: {too_few(6)}" in proc.stdout
 
     table = pq.read_table(out / "trials.parquet")
     assert table.column_names == COLUMNS
@@ -372,7 +374,17 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
         math.isfinite(r["startup_s"]) and r["startup_s"] >= 0 for r in rows if r["status"] == "completed"
     )
     assert (out / "trials.csv").read_text().count("\n") == 7
-    assert pq.read_table(out / "curves.parquet").num_rows >= 6
+    curves = pq.read_table(out / "curves.parquet").to_pylist()
+    assert len(curves) >= 6
+
+    # The common budget: ASHA's first rung, the last token count of the earliest stopped trial;
+    # each trial's loss there is its curve's value at that point, whatever its final loss.
+    budget = min(r["tokens"] for r in rows)
+    assert {r["common_tokens"] for r in rows} == {budget} and budget < max(r["tokens"] for r in rows)
+    for r in rows:
+        at = {c["tokens"]: c["val_loss"] for c in curves if c["trial_id"] == r["trial_id"]}
+        assert r["common_val_loss"] == at[budget], r
+    assert f"compared at {fmt_tokens(budget)} tokens" in proc.stdout
 
     best = next(r for r in rows if r["status"] in ("completed", "stopped early", "cut by budget"))
     cfg = load_experiment(out / "best.toml")
@@ -382,11 +394,66 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
     assert cfg.train.max_steps == load_experiment(finished_sweep / "gptrun.toml").train.max_steps
 
     page = (out / "report.html").read_text()
-    for name in (*PNGS, "importance.png"):
-        assert f"src='{name}'" in page
+    check_page(page, out, PLOTS)
+    for name in (*PNGS, "noise.png"):
+        assert f"<a href='{name}'>" in page
+    for r in rows:  # each trial links to its own folder
+        assert (
+            f"/{finished_sweep.name}/{_trial_dir(finished_sweep, r['trial_id'])}/'>{r['trial_id']}</a>"
+            in page
+        )
     assert best["trial_id"] in page and "checkpoint" in page
-    assert f"<td>{rows[0]['node_id'][:8]}</td>" in page and rows[0]["node_id"] not in page
-    assert "ran with the baseline config" in page and "<table>" in page
+    assert f"<td title='{rows[0]['node_id']}'>{rows[0]['node_id'][:8]}</td>" in page
+    assert "ran with the baseline config" in page and too_few(6) in page
+
+
+def _trial_dir(exp_dir: Path, trial_id: str) -> str:
+    return next(p.name for p in _trial_dirs(exp_dir) if trial_id in p.name)
+
+
+def _copy_with_trials(finished_sweep: Path, copy: Path, edit: Any) -> None:
+    """A copy of the sweep (no report, no study) whose Tune state's trials go through `edit`:
+    a list of (trial dict, rest of its entry) -> the list to keep."""
+    shutil.copytree(finished_sweep, copy, ignore=shutil.ignore_patterns("report", "best.toml", "optuna.db"))
+    state_file = sorted(copy.glob("experiment_state-*.json"))[-1]
+    state = json.loads(state_file.read_text())
+    entries = [(json.loads(entry[0]), entry[1:]) for entry in state["trial_data"]]
+    state["trial_data"] = [[json.dumps(trial), *rest] for trial, rest in edit(entries)]
+    state_file.write_text(json.dumps(state))
+
+
+def test_report_one_trial(finished_sweep: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "finished"
+    _copy_with_trials(finished_sweep, copy, lambda entries: entries[:1])
+    proc = run_cli("report", str(copy))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = pq.read_table(copy / "report" / "trials.parquet").to_pylist()
+    assert len(rows) == 1 and rows[0]["common_val_loss"] == rows[0]["val_loss"]  # compared at its own end
+    page = (copy / "report" / "report.html").read_text()
+    check_page(page, copy / "report", ("curves", "params"))
+    assert "Needs two trials compared at the common budget; there are 1." in page and too_few(1) in page
+
+
+def test_report_every_trial_failed(finished_sweep: Path, tmp_path: Path) -> None:
+    def fail(entries: list[tuple[dict[str, Any], list[Any]]]) -> list[tuple[dict[str, Any], list[Any]]]:
+        for trial, _ in entries:
+            trial["status"] = "ERROR"
+        return entries
+
+    copy = tmp_path / "finished"
+    _copy_with_trials(finished_sweep, copy, fail)
+    proc = run_cli("report", str(copy))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no trial has finished without error yet; no best.toml written" in proc.stdout
+    out = copy / "report"
+    assert not (out / "best.toml").exists() and (out / "curves.png").is_file()
+    assert not (out / "params.png").exists()  # nothing to compare
+    rows = pq.read_table(out / "trials.parquet").to_pylist()
+    assert {r["status"] for r in rows} == {"error"} and all(math.isnan(r["common_val_loss"]) for r in rows)
+    page = (out / "report.html").read_text()
+    check_page(page, out, ("curves",))
+    assert "No trial has an evaluation to compare yet." in page and "no best config" in page
+    assert page.count("Needs two trials compared at the common budget; there are 0.") == 3
 
 
 def test_study_holds_every_report_of_every_trial(finished_sweep: Path, tmp_path: Path) -> None:
@@ -410,39 +477,43 @@ def test_study_holds_every_report_of_every_trial(finished_sweep: Path, tmp_path:
 
 
 def test_report_interrupted_sweep(finished_sweep: Path, tmp_path: Path) -> None:
+    """A trial Tune's last state holds as running, and no study (gone with a killed driver, or a
+    PostgreSQL server that is down): the report reads Tune's files only."""
+
+    def interrupt(entries: list[tuple[dict[str, Any], list[Any]]]) -> list[tuple[dict[str, Any], list[Any]]]:
+        entries[-1][0]["status"] = "RUNNING"
+        return entries
+
     copy = tmp_path / "finished"
-    shutil.copytree(finished_sweep, copy, ignore=shutil.ignore_patterns("report", "best.toml"))
-    (copy / "optuna.db").unlink(missing_ok=True)  # written only when a sweep finishes
-    state_file = sorted(copy.glob("experiment_state-*.json"))[-1]
-    state = json.loads(state_file.read_text())
-    trial = json.loads(state["trial_data"][-1][0])
-    trial["status"] = "RUNNING"
-    state["trial_data"][-1][0] = json.dumps(trial)
-    state_file.write_text(json.dumps(state))
+    _copy_with_trials(finished_sweep, copy, interrupt)
+    running = json.loads(
+        json.loads(sorted(copy.glob("experiment_state-*.json"))[-1].read_text())["trial_data"][-1][0]
+    )
 
     proc = run_cli("report", str(copy))  # default --out: EXPERIMENT_DIR/report
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = copy / "report"
     for name in FILES:
         assert (out / name).is_file(), name
-    assert not (out / "importance.png").exists()
     rows = pq.read_table(out / "trials.parquet").to_pylist()
     assert len(rows) == 6
-    assert {r["trial_id"]: r["status"] for r in rows}[trial["trial_id"]] == "unfinished"
+    assert {r["trial_id"]: r["status"] for r in rows}[running["trial_id"]] == "unfinished"
     assert "unfinished" in proc.stdout
     page = (out / "report.html").read_text()
-    assert "<tr class='unfinished'>" in page and "No optuna.db" in page
+    check_page(page, out, PLOTS)
+    assert "<tr class='unfinished'>" in page
 
 
-def test_report_needs_matplotlib(finished_sweep: Path, tmp_path: Path) -> None:
-    blocker = tmp_path / "block" / "matplotlib"
+@pytest.mark.parametrize("library", ["matplotlib", "plotly"])
+def test_report_needs_its_plotting_libraries(finished_sweep: Path, tmp_path: Path, library: str) -> None:
+    blocker = tmp_path / "block" / library
     blocker.mkdir(parents=True)
-    (blocker / "__init__.py").write_text("raise ImportError('matplotlib blocked by the test')\n")
+    (blocker / "__init__.py").write_text(f"raise ImportError('{library} blocked by the test')\n")
     pythonpath = f"{blocker.parent}:{Path(__file__).resolve().parents[1]}"
     proc = run_cli(
         "report", str(finished_sweep), "--out", str(tmp_path / "r"), env={"PYTHONPATH": pythonpath}
     )
-    assert_user_error(proc, "matplotlib", "pip install 'gptrun[report]'")
+    assert_user_error(proc, library, "pip install 'gptrun[report]'")
     assert not (tmp_path / "r").exists()
 
 

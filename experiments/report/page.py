@@ -67,6 +67,7 @@ def report_page(
     drawable = len(common.losses) >= 2  # Optuna's contour and parallel coordinates need two trials
     contour = interactive.contour_figure(study, space, common) if drawable else None
     too_few = f"<p>Needs two trials compared at the common budget; there are {len(common.losses)}.</p>"
+    params = interactive.params_figure(trials, common, space) if common.losses else None
     sections = {
         "Summary": best_html(best) + common_note(common, trials) + baseline_note(cfg, space, trials),
         "Trials": trial_table(trials, rows, common, space, out_dir),
@@ -74,9 +75,7 @@ def report_page(
             interactive.curves_figure(trials, curves, common, space, best["trial_id"] if best else None),
             "curves",
         ),
-        "Loss vs each hyperparameter": interactive.div(
-            interactive.params_figure(trials, common, space), "params"
-        ),
+        "Loss vs each hyperparameter": interactive.div(params, "params") if params else too_few,
         "Contour": interactive.div(contour, "contour") if contour else too_few,
         "Parallel coordinates": (
             interactive.div(interactive.parallel_figure(study, common), "parallel") if drawable else too_few

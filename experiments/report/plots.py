@@ -60,9 +60,11 @@ def draw_sweep(
     best_id: str | None,
     out_dir: Path,
 ) -> None:
-    """curves.png and params.png into `out_dir`."""
+    """curves.png, and params.png once a trial can be compared, into `out_dir`."""
     _save(_plot_curves(figure(), trials, curves, common, best_id), out_dir / "curves.png")
-    _save(_plot_params(figure, trials, common, space, best_id), out_dir / "params.png")
+    (out_dir / "params.png").unlink(missing_ok=True)  # never leave a stale one behind
+    if common.losses:
+        _save(_plot_params(figure, trials, common, space, best_id), out_dir / "params.png")
 
 
 def draw_importance(figure: Any, importances: Importances, common: CommonBudget, out_dir: Path) -> None:
