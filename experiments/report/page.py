@@ -42,7 +42,7 @@ HEADERS = {
 }
 STYLE = """body{font-family:sans-serif;max-width:1200px;margin:auto;padding:0 1em}
 table{border-collapse:collapse;font-size:13px} td,th{border:1px solid #ccc;padding:2px 6px;
-text-align:right} th.at,td.at{background:#eef4fb;font-weight:bold} tr.unfinished{background:#ffe9c7;
+text-align:right;white-space:nowrap} th.at,td.at{background:#eef4fb;font-weight:bold} tr.unfinished{background:#ffe9c7;
 font-style:italic} tr.stopped-early,tr.cut-by-budget{color:#555} tr.diverged,tr.error{color:#a00}
 img{max-width:100%} p.note{background:#f6f6f6;padding:.5em 1em;border-left:4px solid #888}"""
 
@@ -152,7 +152,7 @@ def trial_table(
         + "</tr>"
         for r in rows
     )
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f"<div style='overflow-x:auto'><table><tr>{head}</tr>{body}</table></div>"
 
 
 def importance_html(ranked: Importances, common: CommonBudget) -> str:
@@ -198,6 +198,8 @@ def _cell(key: str, value: Any, sci: set[str], path: str, out_dir: Path) -> str:
         return f"<td>{_number(value, '.4f')}</td>"
     if key.endswith("_s") and isinstance(value, float):
         return f"<td>{'-' if math.isnan(value) else f'{value:.3g}s'}</td>"
+    if key == "checkpoint" and value:  # the trial's folder and checkpoint; the full path on hover
+        return f"<td title='{escape(value)}'>{escape('/'.join(Path(value).parts[-2:]))}</td>"
     if key == "node_id":
         return f"<td title='{escape(value)}'>{escape(value[:8])}</td>"
     return f"<td>{escape(_text(value))}</td>"
@@ -235,8 +237,11 @@ def baseline_note(cfg: RayExperiment, space: Space, trials: list[dict[str, Any]]
     raw = cfg.to_dict()
     base = {p.key: raw[p.key.partition(".")[0]][p.key.partition(".")[2]] for p in space.params}
     same = sum(all(_same(space.overrides(t["config"]).get(k), v) for k, v in base.items()) for t in trials)
+    sci = {p.key for p in space.params if p.kind == "loguniform"}
     values = ", ".join(
-        f"{k.rpartition('.')[2]}={v:g}" if isinstance(v, float) else f"{k.rpartition('.')[2]}={v}"
+        f"{k.rpartition('.')[2]}={fmt_sci(v) if k in sci else format(v, 'g')}"
+        if isinstance(v, float)
+        else f"{k.rpartition('.')[2]}={v}"
         for k, v in base.items()
     )
     return f"<p>{same} trial(s) ran with the baseline config ({values}).</p>"
