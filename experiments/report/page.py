@@ -41,9 +41,10 @@ HEADERS = {
     "node_id": "node",
 }
 STYLE = """body{font-family:sans-serif;max-width:1200px;margin:auto;padding:0 1em}
-table{border-collapse:collapse;font-size:13px} td,th{border:1px solid #ccc;padding:2px 6px;
-text-align:right;white-space:nowrap} th.at,td.at{background:#eef4fb;font-weight:bold} tr.unfinished{background:#ffe9c7;
-font-style:italic} tr.stopped-early,tr.cut-by-budget{color:#555} tr.diverged,tr.error{color:#a00}
+table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}
+th.at,td.at{background:#eef4fb;font-weight:bold} tr.unfinished{background:#ffe9c7;font-style:italic}
+tr.stopped-early,tr.cut-by-budget{color:#555} tr.diverged,tr.error{color:#a00}
 img{max-width:100%} p.note{background:#f6f6f6;padding:.5em 1em;border-left:4px solid #888}"""
 
 
