@@ -51,13 +51,13 @@ def common_budget(
     past the budget (a running sweep shows where it is). Diverged and failed trials have no loss
     to compare. A compared trial that never reached the budget, or has no evaluation at or before
     it (one that ended before its first), is left out and named in `left_out`."""
-    evaluations = _evaluations(curves)
+    points_of = evaluations(curves)
     finished = [t["trial_id"] for t in trials if t["status"] in OK]
     if tokens is None:
-        tokens = min((evaluations[tid][-1][0] for tid in finished if tid in evaluations), default=0)
+        tokens = min((points_of[tid][-1][0] for tid in finished if tid in points_of), default=0)
     losses = {}
     for t in trials:
-        points = evaluations.get(t["trial_id"], [])
+        points = points_of.get(t["trial_id"], [])
         if t["status"] not in (*OK, "unfinished") or not points or points[-1][0] < tokens:
             continue
         before = [loss for at, loss in points if at <= tokens]
@@ -66,7 +66,7 @@ def common_budget(
     return CommonBudget(tokens, losses, tuple(tid for tid in finished if tid not in losses))
 
 
-def _evaluations(curves: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+def evaluations(curves: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     """trial id -> its (tokens, val loss) evaluations in token order (finite losses only)."""
     out: dict[str, list[tuple[int, float]]] = {}
     for row in curves:
@@ -74,6 +74,13 @@ def _evaluations(curves: list[dict[str, Any]]) -> dict[str, list[tuple[int, floa
         if finite(tokens) and finite(loss):
             out.setdefault(row["trial_id"], []).append((int(tokens), float(loss)))
     return {tid: sorted(points) for tid, points in out.items()}
+
+
+def completed(trials: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """The completed trials (their final losses: a series of their own) and the token count
+    they end at, as the plots write it."""
+    done = [t for t in trials if t["status"] == "completed" and finite(t["val_loss"])]
+    return done, fmt_tokens(max((t["tokens"] for t in done), default=0))
 
 
 def analysis_study(common: CommonBudget, trials: list[dict[str, Any]], space: Space) -> Any:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.report.common import CommonBudget, finite, param_name
+from experiments.report.common import CommonBudget, completed, evaluations, param_name
 from experiments.report.importance import LEVEL, Importances
-from experiments.report.plots import FINAL, MARKER, x_value, zero_x
+from experiments.report.plots import FINAL, MARKER, param_panels, zero_x
 from experiments.results import short_params
 from experiments.space import Space
 from experiments.table import fmt_sci, fmt_tokens
@@ -79,12 +79,9 @@ def curves_figure(
     import plotly.graph_objects as go
 
     fig = go.Figure()
+    points_of = evaluations(curves)
     for t in trials:
-        pts = sorted(
-            (c["tokens"], c["val_loss"])
-            for c in curves
-            if c["trial_id"] == t["trial_id"] and finite(c["tokens"]) and finite(c["val_loss"])
-        )
+        pts = points_of.get(t["trial_id"], [])
         if not pts:
             continue
         best = t["trial_id"] == best_id
@@ -125,34 +122,28 @@ def params_figure(trials: list[dict[str, Any]], common: CommonBudget, space: Spa
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=len(space.params), shared_yaxes=True)
-    compared = [t for t in trials if t["trial_id"] in common.losses]
-    completed = [t for t in trials if t["status"] == "completed" and finite(t["val_loss"])]
-    final_at = fmt_tokens(max((t["tokens"] for t in completed), default=0))
-    for col, p in enumerate(space.params, 1):
-        name = param_name(p.key)
-        x = {t["trial_id"]: x_value(p, short_params(t["config"]).get(name)) for t in trials}
-        for status, marker in MARKER.items():
-            group = [t for t in compared if t["status"] == status]
-            if group:
-                fig.add_trace(
-                    go.Scatter(
-                        x=[x[t["trial_id"]] for t in group],
-                        y=[common.losses[t["trial_id"]] for t in group],
-                        mode="markers",
-                        marker=dict(symbol=SYMBOL[marker], size=10, color="#1f77b4", line=dict(width=1)),
-                        name=f"{status}: at {fmt_tokens(common.tokens)}",
-                        legendgroup=status,
-                        showlegend=col == 1,
-                        hovertext=[trial_hover(t, space) for t in group],
-                        hovertemplate=f"%{{hovertext}}<br>{common.label}: %{{y:.4f}}<extra></extra>",
-                    ),
-                    row=1,
-                    col=col,
-                )
-        if completed:
+    done, final_at = completed(trials)
+    for col, (p, name, x, groups) in enumerate(param_panels(trials, common, space), 1):
+        for status, group in groups.items():
+            fig.add_trace(
+                go.Scatter(
+                    x=[x[t["trial_id"]] for t in group],
+                    y=[common.losses[t["trial_id"]] for t in group],
+                    mode="markers",
+                    marker=dict(symbol=SYMBOL[MARKER[status]], size=10, color="#1f77b4", line=dict(width=1)),
+                    name=f"{status}: at {fmt_tokens(common.tokens)}",
+                    legendgroup=status,
+                    showlegend=col == 1,
+                    hovertext=[trial_hover(t, space) for t in group],
+                    hovertemplate=f"%{{hovertext}}<br>{common.label}: %{{y:.4f}}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+        if done:
             joined_x: list[Any] = []
             joined_y: list[Any] = []
-            for t in completed:
+            for t in done:
                 if t["trial_id"] in common.losses:
                     joined_x += [x[t["trial_id"]], x[t["trial_id"]], None]
                     joined_y += [common.losses[t["trial_id"]], t["val_loss"], None]
@@ -170,14 +161,14 @@ def params_figure(trials: list[dict[str, Any]], common: CommonBudget, space: Spa
             )
             fig.add_trace(
                 go.Scatter(
-                    x=[x[t["trial_id"]] for t in completed],
-                    y=[t["val_loss"] for t in completed],
+                    x=[x[t["trial_id"]] for t in done],
+                    y=[t["val_loss"] for t in done],
                     mode="markers",
                     marker=dict(symbol="star", size=14, color=FINAL, line=dict(width=1)),
                     name=f"completed: final, at {final_at}",
                     legendgroup="final",
                     showlegend=col == 1,
-                    hovertext=[trial_hover(t, space) for t in completed],
+                    hovertext=[trial_hover(t, space) for t in done],
                     hovertemplate=f"%{{hovertext}}<br>final val loss at {final_at}: %{{y:.4f}}"
                     "<extra></extra>",
                 ),
@@ -193,7 +184,7 @@ def params_figure(trials: list[dict[str, Any]], common: CommonBudget, space: Spa
     fig.update_yaxes(title_text="validation loss", row=1, col=1)
     fig.update_layout(
         title=f"Loss vs each hyperparameter: {common.title}"
-        + (f"; completed trials' final loss at {final_at} as its own series" if completed else "")
+        + (f"; completed trials' final loss at {final_at} as its own series" if done else "")
     )
     return fig
 

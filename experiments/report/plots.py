@@ -6,10 +6,11 @@ interactive (`interactive`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from experiments.report.common import CommonBudget, finite, param_name
+from experiments.report.common import CommonBudget, completed, evaluations, finite, param_name
 from experiments.report.data import write
 from experiments.report.importance import LEVEL, Importances
 from experiments.results import short_params
@@ -146,6 +147,20 @@ def x_value(p: Param, value: Any) -> Any:
     return zero_x(p) if p.kind == "loguniform" and value == 0 else value
 
 
+def param_panels(
+    trials: list[dict[str, Any]], common: CommonBudget, space: Space
+) -> Iterator[tuple[Param, str, dict[str, Any], dict[str, list[dict[str, Any]]]]]:
+    """For each searched key, one panel of the loss-vs-hyperparameter plot: the key, its name,
+    each trial's x, and the trials compared at the common budget by status."""
+    for p in space.params:
+        name = param_name(p.key)
+        x = {t["trial_id"]: x_value(p, short_params(t["config"]).get(name)) for t in trials}
+        groups = {
+            s: [t for t in trials if t["status"] == s and t["trial_id"] in common.losses] for s in MARKER
+        }
+        yield p, name, x, {s: group for s, group in groups.items() if group}
+
+
 def _save(fig: Any, path: Path) -> None:
     write(path, lambda tmp: fig.savefig(tmp, format="png"))
 
@@ -165,12 +180,9 @@ def _plot_curves(
 ) -> Any:
     fig, ax = fa
     labelled: set[str] = set()
+    points_of = evaluations(curves)
     for i, t in enumerate(trials):
-        pts = sorted(
-            (c["tokens"], c["val_loss"])
-            for c in curves
-            if c["trial_id"] == t["trial_id"] and finite(c["tokens"]) and finite(c["val_loss"])
-        )
+        pts = points_of.get(t["trial_id"], [])
         if not pts:
             continue
         if t["trial_id"] == best_id:
@@ -203,33 +215,27 @@ def _plot_params(
     to its own point at the budget: the gap is training, not the hyperparameter)."""
     fig, axes = figure(max(8.0, 4.0 * len(space.params)), 4.5, ncols=len(space.params))
     axes = [axes] if len(space.params) == 1 else axes
-    compared = [t for t in trials if t["trial_id"] in common.losses]
-    completed = [t for t in trials if t["status"] == "completed" and finite(t["val_loss"])]
-    final_at = fmt_tokens(max((t["tokens"] for t in completed), default=0))
-    for ax, p in zip(axes, space.params, strict=True):
-        name = param_name(p.key)
-        x = {t["trial_id"]: x_value(p, short_params(t["config"]).get(name)) for t in trials}
-        for status, marker in MARKER.items():
-            group = [t for t in compared if t["status"] == status]
-            if group:
-                ax.scatter(
-                    [x[t["trial_id"]] for t in group],
-                    [common.losses[t["trial_id"]] for t in group],
-                    marker=marker,
-                    s=60,
-                    color="tab:blue",
-                    edgecolors="k",
-                    zorder=2,
-                    label=f"{status}: at {fmt_tokens(common.tokens)}",
-                )
-        for t in completed:
+    done, final_at = completed(trials)
+    for ax, (p, name, x, groups) in zip(axes, param_panels(trials, common, space), strict=True):
+        for status, group in groups.items():
+            ax.scatter(
+                [x[t["trial_id"]] for t in group],
+                [common.losses[t["trial_id"]] for t in group],
+                marker=MARKER[status],
+                s=60,
+                color="tab:blue",
+                edgecolors="k",
+                zorder=2,
+                label=f"{status}: at {fmt_tokens(common.tokens)}",
+            )
+        for t in done:
             tid = t["trial_id"]
             if tid in common.losses:
                 ax.plot([x[tid]] * 2, [common.losses[tid], t["val_loss"]], color=FINAL, lw=0.8, ls=":")
-        if completed:
+        if done:
             ax.scatter(
-                [x[t["trial_id"]] for t in completed],
-                [t["val_loss"] for t in completed],
+                [x[t["trial_id"]] for t in done],
+                [t["val_loss"] for t in done],
                 marker="*",
                 s=160,
                 color=FINAL,
@@ -258,10 +264,10 @@ def _plot_params(
         ax.set(xlabel=xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss")
-    if compared or completed:
+    if common.losses:
         axes[0].legend(fontsize="small")
     fig.suptitle(
         f"{common.title[:1].upper()}{common.title[1:]} (blue)"
-        + (f"; completed trials' final loss at {final_at} tokens (red)" if completed else "")
+        + (f"; completed trials' final loss at {final_at} tokens (red)" if done else "")
     )
     return fig
