@@ -37,7 +37,10 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     common = common_budget(trials, curves)
     print_table(trials, space, common)
     left = f"; left out (no evaluation by then): {', '.join(common.left_out)}" if common.left_out else ""
-    print(f"compared at {fmt_tokens(common.tokens)} tokens (the largest all reached): {common.title}{left}")
+    n = len(common.losses)
+    print(
+        f"compared at {fmt_tokens(common.tokens)} tokens (the largest budget all reached): {n} trials{left}"
+    )
 
     rows = trial_rows(trials, common)
     write_tables(rows, curves, out_dir)

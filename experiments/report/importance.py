@@ -46,7 +46,7 @@ def importances(study: Any, *, resamples: int = RESAMPLES, seed: int = 0) -> Imp
     # trials and miss others): it is widened to hold it, so that it can be drawn around it.
     low = {k: min(v, _quantile([s.get(k, 0.0) for s in samples], tail)) for k, v in point.items()}
     high = {k: max(v, _quantile([s.get(k, 0.0) for s in samples], 1 - tail)) for k, v in point.items()}
-    return Importances(n, point, low, high, _overlap_note(point, low, high))
+    return Importances(n, point, low, high, _overlap_note(point, low, high, resamples))
 
 
 def too_few(n: int) -> str:
@@ -75,11 +75,13 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def _overlap_note(point: dict[str, float], low: dict[str, float], high: dict[str, float]) -> str:
+def _overlap_note(
+    point: dict[str, float], low: dict[str, float], high: dict[str, float], resamples: int
+) -> str:
     """What the intervals are, and which neighbouring ranks they cannot tell apart."""
     names = list(point)
     tied = [f"{a} and {b}" for a, b in zip(names, names[1:], strict=False) if low[a] <= high[b]]
-    note = f"Intervals: the middle {LEVEL:.0%} of the importances on {RESAMPLES} resamples of the trials."
+    note = f"Intervals: the middle {LEVEL:.0%} of the importances on {resamples} resamples of the trials."
     if tied:
         note += f" Overlapping intervals ({', '.join(tied)}): this data cannot tell those ranks apart."
     return note

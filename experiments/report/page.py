@@ -77,7 +77,13 @@ def report_page(
             "curves",
         ),
         "Loss vs each hyperparameter": interactive.div(params, "params") if params else too_few,
-        "Contour": interactive.div(contour, "contour") if contour else too_few,
+        "Contour": (
+            interactive.div(contour, "contour")
+            if contour
+            else too_few
+            if not drawable
+            else "<p>Needs two searched hyperparameters.</p>"
+        ),
         "Parallel coordinates": (
             interactive.div(interactive.parallel_figure(study, common), "parallel") if drawable else too_few
         ),
@@ -129,7 +135,7 @@ def common_note(common: CommonBudget, trials: list[dict[str, Any]]) -> str:
         f"({len(common.losses)} trials), the largest budget every trial that finished reached (ASHA "
         "stops the worse trials at its rungs and trains the better ones on: a trial trained longer has "
         "a lower loss whatever its hyperparameters). Plots put trials side by side at that budget; the "
-        f"{completed} completed trials' final losses are shown as their own series.{left}</p>"
+        f"completed trials' final losses ({completed}) are shown as their own series.{left}</p>"
     )
 
 
