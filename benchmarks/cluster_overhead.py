@@ -1,6 +1,8 @@
-"""What a multi-node cluster costs a sweep: the same tiny sweep on a local Ray instance and on the
-2-node cluster of `cluster/local.sh` (head + 1 worker node on this machine, token auth), in the
-same run.
+"""What a multi-node cluster costs a sweep: the same tiny sweep on a local Ray instance, on the
+2-node cluster of `cluster/local.sh` (head + 1 worker node on this machine, token auth) and on an
+autoscaling cluster that starts with no worker node (`cluster/local.sh up --autoscale`: a 0-CPU
+head whose Ray autoscaler adds 1-CPU nodes), in the same run; and what a checkpoint costs in
+object storage (an S3 server) against a local folder.
 
     python benchmarks/cluster_overhead.py [--trials 4] [--steps 40] [--concurrent 2] [--rounds 1]
 
@@ -11,10 +13,19 @@ For each side it launches `gptrun sweep CONFIG [--address ADDR]` as a subprocess
 - trial start-up: each trial's seconds from its process being ready to its first step
   (`startup_s` of `experiments.results.load_trials`), median and max over the trials;
 - the sweep's wall-clock.
-with the ratio cluster / local. Both sides run the same config (a ~60k-parameter model on a
+with the ratio cluster / local; and for the autoscaling cluster, from 0 worker nodes each round,
+how long its idle nodes take to go away once the sweep has ended (the sweep releases its
+`request_resources`; the autoscaler removes a node after `--idle-timeout-s` idle). All sides run
+the same config (a ~60k-parameter model on a
 synthetic corpus prepared with `gptrun prepare`, 1-CPU trials, `--concurrent` at a time, no ASHA
 cut). The cluster stays up (idle) while the local sweep runs, and local and cluster sweeps
-alternate over `--rounds`, so both see the same background; the figures are medians over rounds.
+alternate over `--rounds`, so all see the same background; the figures are medians over rounds.
+
+The object-storage rows time one checkpoint's upload the way Ray Train and Tune persist it
+(`pyarrow.fs.copy_files` into the run's storage, 64 MB chunks, no threads for S3) into a local
+folder and into a bucket of a moto S3 server on 127.0.0.1 (`moto[server]`, in the dev extra),
+alternated over `--checkpoint-rounds`: a real checkpoint of the sweep's model and a `--blob-mb`
+file of random bytes (a bigger model's weights and optimizer state).
 """
 
 from __future__ import annotations
@@ -207,37 +218,124 @@ def local_sh(*args: str, state: Path, timeout: float = 300) -> subprocess.Comple
     )
 
 
+def alive_workers(state: Path) -> int:
+    """Worker nodes alive now, from `cluster/local.sh status` ("alive: N node(s)", head included)."""
+    out = local_sh("status", state=state).stdout
+    line = next(x for x in out.splitlines() if x.startswith("alive:"))
+    return int(line.split()[1]) - 1
+
+
+def wait_workers(state: Path, want: int, timeout: float) -> float:
+    """Seconds until exactly `want` worker nodes are alive (polled about once a second)."""
+    start = time.monotonic()
+    while alive_workers(state) != want:
+        if time.monotonic() - start > timeout:
+            sys.exit(f"the autoscaling cluster did not reach {want} worker node(s) within {timeout:g}s")
+        time.sleep(1.0)
+    return time.monotonic() - start
+
+
 def median_of(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def print_table(local: list[dict[str, Any]], cluster: list[dict[str, Any]], nodes: int) -> None:
+def print_table(sides: dict[str, list[dict[str, Any]]]) -> None:
+    """One column per side, then each side's ratio to the local one."""
     rows = [
         ("launch -> first step (s)", "first_step_s"),
         ("trial start-up, median (s)", "startup_median_s"),
         ("trial start-up, max (s)", "startup_max_s"),
         ("sweep wall-clock (s)", "wall_s"),
+        ("idle nodes gone after (s)", "shrink_s"),
     ]
-    print(f"{'':<28} {'local Ray':>10} {f'{nodes}-node cluster':>15} {'cluster/local':>14}")
+    names = list(sides)
+    head = "".join(f"{n:>20}" for n in names) + "".join(f"{n + '/local':>22}" for n in names[1:])
+    print(f"{'':<28}{head}")
     for label, key in rows:
-        a, b = median_of(local, key), median_of(cluster, key)
-        ratio = f"{b / a:.2f}" if a > 0 else "-"
-        print(f"{label:<28} {a:>10.1f} {b:>15.1f} {ratio:>14}")
+        values = [median_of(rows_, key) if key in rows_[0] else math.nan for rows_ in sides.values()]
+        cells = "".join(f"{'-' if math.isnan(v) else f'{v:.1f}':>20}" for v in values)
+        ratios = "".join(
+            f"{'-' if math.isnan(v) or not values[0] > 0 else f'{v / values[0]:.2f}':>22}" for v in values[1:]
+        )
+        print(f"{label:<28}{cells}{ratios}")
+
+
+def checkpoint_upload_times(
+    config: Path, rounds: int, blob_mb: int, root: Path
+) -> list[tuple[str, float, float]]:
+    """Per-checkpoint upload seconds (median over `rounds`), local folder vs S3 (moto), alternated:
+    [(what, local_s, s3_s)] for a real checkpoint of the sweep's model and a `blob_mb` MB file."""
+    import boto3
+    import pyarrow.fs
+    from moto.server import ThreadedMotoServer
+
+    from experiments.config import load_experiment
+    from gptcore.checkpoint import CHECKPOINT_FILE, save_checkpoint
+    from gptcore.train import Trainer
+
+    model = root / "ckpt-model"
+    save_checkpoint(model / CHECKPOINT_FILE, Trainer(load_experiment(config), log=None).state_dict())
+    blob = root / "ckpt-blob"
+    blob.mkdir()
+    (blob / CHECKPOINT_FILE).write_bytes(os.urandom(blob_mb * 1024 * 1024))
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
+    boto3.client("s3", endpoint_url=endpoint, **creds).create_bucket(Bucket="bench")
+    s3 = pyarrow.fs.S3FileSystem(
+        access_key="bench", secret_key="bench", region="us-east-1", endpoint_override=endpoint, scheme="http"
+    )
+    local = pyarrow.fs.LocalFileSystem()
+    out: list[tuple[str, float, float]] = []
+    try:
+        for label, src in ((f"model checkpoint ({_mb(model)} MB)", model), (f"{blob_mb} MB file", blob)):
+            times: dict[str, list[float]] = {"local": [], "s3": []}
+            for k in range(rounds):
+                for side, fs, dest in (
+                    ("local", local, str(root / "uploads" / f"{src.name}-{k}")),
+                    ("s3", s3, f"bench/{src.name}-{k}"),
+                ):
+                    start = time.perf_counter()
+                    # As Ray persists a checkpoint (ray.train._internal.storage._pyarrow_fs_copy_files).
+                    pyarrow.fs.copy_files(
+                        str(src), dest, destination_filesystem=fs, use_threads=side == "local",
+                        chunk_size=64 * 1024 * 1024,
+                    )  # fmt: skip
+                    times[side].append(time.perf_counter() - start)
+            out.append((label, statistics.median(times["local"]), statistics.median(times["s3"])))
+    finally:
+        server.stop()
+    return out
+
+
+def _mb(folder: Path) -> str:
+    return f"{sum(f.stat().st_size for f in folder.iterdir()) / 2**20:.1f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description="Sweep start-up on a local Ray instance vs the 2-node cluster of "
-        "cluster/local.sh, measured in the same run."
+        description="Sweep start-up on a local Ray instance vs the 2-node cluster of cluster/local.sh "
+        "vs an autoscaling cluster grown from no worker node, and a checkpoint's upload to an S3 "
+        "server vs a local folder, measured in the same run."
     )
     parser.add_argument("--trials", type=int, default=4, help="trials per sweep (4)")
     parser.add_argument("--steps", type=int, default=40, help="training steps per trial (40)")
-    parser.add_argument("--concurrent", type=int, default=2, help="trials at a time on both sides (2)")
+    parser.add_argument("--concurrent", type=int, default=2, help="trials at a time on every side (2)")
     parser.add_argument(
-        "--nodes", type=int, default=1, help="worker nodes of the cluster besides the head (1)"
+        "--nodes", type=int, default=1, help="worker nodes of the static cluster besides the head (1)"
     )
     parser.add_argument("--cpus-per-node", type=int, default=1, help="logical CPUs per cluster node (1)")
-    parser.add_argument("--rounds", type=int, default=1, help="local / cluster sweep pairs, alternated (1)")
+    parser.add_argument(
+        "--idle-timeout-s", type=float, default=10, help="the autoscaling cluster's idle timeout (10)"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="sweeps per side, alternated (1)")
+    parser.add_argument(
+        "--checkpoint-rounds", type=int, default=5, help="uploads per checkpoint and side (5)"
+    )
+    parser.add_argument("--blob-mb", type=int, default=64, help="the larger checkpoint's size in MB (64)")
     parser.add_argument(
         "--data", default=None, help="a prepared data folder (default: a synthetic corpus prepared here)"
     )
@@ -253,50 +351,75 @@ def main() -> None:
         parser.error(
             f"the cluster has {cluster_cpus} CPUs: fewer than --concurrent {args.concurrent} one-CPU trials"
         )
+    grow_nodes = math.ceil(args.concurrent / args.cpus_per_node)  # what the trials at once need
 
     with tempfile.TemporaryDirectory(prefix="gptrun-overhead-") as tmp:
         root = Path(tmp)
         data = Path(args.data).resolve() if args.data else prepare_data(root, args.vocab_size)
         config = write_config(root, data, args.vocab_size, args.trials, args.steps, args.concurrent)
-        state = root / "cluster"
+        static, elastic = root / "cluster", root / "autoscaling"
         start = time.monotonic()
         up = local_sh(
-            "up", "--nodes", str(args.nodes), "--cpus-per-node", str(args.cpus_per_node), state=state
+            "up", "--nodes", str(args.nodes), "--cpus-per-node", str(args.cpus_per_node), state=static
         )
         up_s = time.monotonic() - start
-        local_rows: list[dict[str, Any]] = []
-        cluster_rows: list[dict[str, Any]] = []
+        sides: dict[str, list[dict[str, Any]]] = {"local Ray": [], f"{args.nodes + 1}-node cluster": [],
+                                                  "autoscaling, from 0": []}  # fmt: skip
         try:
             if up.returncode != 0:
                 sys.exit(f"cluster/local.sh up failed:\n{up.stdout}{up.stderr}")
-            info = json.loads((state / "state.json").read_text())
-            cluster_env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=info["token_path"])
+            grown = local_sh(
+                "up", "--autoscale", str(grow_nodes), "--head-cpus", "0", "--cpus-per-node",
+                str(args.cpus_per_node), "--idle-timeout-s", f"{args.idle_timeout_s:g}", state=elastic,
+            )  # fmt: skip
+            if grown.returncode != 0:
+                sys.exit(f"cluster/local.sh up --autoscale failed:\n{grown.stdout}{grown.stderr}")
+            runs = [
+                ("local Ray", clean_env(), None, None),
+                (f"{args.nodes + 1}-node cluster", *_client(static), None),
+                ("autoscaling, from 0", *_client(elastic), elastic),
+            ]
             for k in range(args.rounds):
-                local_rows.append(
-                    run_sweep(config, root / "sweeps", f"local-{k}", clean_env(), None, args.timeout)
-                )
-                cluster_rows.append(
-                    run_sweep(
-                        config, root / "sweeps", f"cluster-{k}", cluster_env, info["address"], args.timeout
-                    )
-                )
+                for (label, env, address, autoscaling), rows in zip(runs, sides.values(), strict=True):
+                    if autoscaling is not None:
+                        wait_workers(autoscaling, 0, 300)  # an empty cluster again
+                    name = f"{label.split()[0].strip(',')}-{k}"
+                    rows.append(run_sweep(config, root / "sweeps", name, env, address, args.timeout))
+                    if autoscaling is not None:
+                        rows[-1]["shrink_s"] = wait_workers(autoscaling, 0, 300)
                 print(
-                    f"round {k}: local {local_rows[-1]['first_step_s']:.1f}s, cluster "
-                    f"{cluster_rows[-1]['first_step_s']:.1f}s to the first step",
+                    f"round {k}: "
+                    + ", ".join(f"{label} {rows[-1]['first_step_s']:.1f}s" for label, rows in sides.items())
+                    + " to the first step",
                     flush=True,
                 )
         finally:
-            down = local_sh("down", "--grace", "10", state=state)
-            if down.returncode != 0:
-                print(f"warning: cluster/local.sh down: {down.stderr.strip()}", file=sys.stderr)
+            for state in (elastic, static):
+                if (state / "state.json").exists():
+                    down = local_sh("down", "--grace", "10", state=state)
+                    if down.returncode != 0:
+                        print(f"warning: cluster/local.sh down: {down.stderr.strip()}", file=sys.stderr)
+        uploads = checkpoint_upload_times(config, args.checkpoint_rounds, args.blob_mb, root)
 
     print(
         f"\n{args.trials} trials x {args.steps} steps (tiny model, batch {BATCH} x {SEQ_LEN} "
         f"tokens), {args.concurrent} at a time, 1 CPU each; median of {args.rounds} round(s); "
         f"cluster = head + {args.nodes} worker node(s) x {args.cpus_per_node} CPU(s), up in "
-        f"{up_s:.1f}s (not counted)"
+        f"{up_s:.1f}s (not counted); autoscaling = 0-CPU head, up to {grow_nodes} node(s) of "
+        f"{args.cpus_per_node} CPU(s) added by Ray's autoscaler (fake multi-node provider), idle "
+        f"timeout {args.idle_timeout_s:g}s"
     )
-    print_table(local_rows, cluster_rows, args.nodes + 1)
+    print_table(sides)
+    print(f"\ncheckpoint upload, median of {args.checkpoint_rounds} (Ray's pyarrow.fs.copy_files):")
+    print(f"{'':<28}{'local folder (s)':>18}{'S3, moto (s)':>16}{'S3/local':>10}")
+    for label, local_s, s3_s in uploads:
+        print(f"{label:<28}{local_s:>18.3f}{s3_s:>16.3f}{s3_s / local_s:>10.1f}")
+
+
+def _client(state: Path) -> tuple[dict[str, str], str]:
+    """The environment and address of a client of the cluster whose state is in `state`."""
+    info = json.loads((state / "state.json").read_text())
+    return clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=info["token_path"]), info["address"]
 
 
 if __name__ == "__main__":

@@ -30,8 +30,38 @@ from tests.test_cluster import (
     wait_for,
 )
 
-pytestmark = pytest.mark.ray
 IDLE_S = 5
+AWS_LIKE = {  # the shape of cluster/aws.yaml: a CPU head, GPU workers from 0
+    "max_workers": 3,
+    "head_node_type": "head",
+    "available_node_types": {
+        "head": {"resources": {"CPU": 4}, "max_workers": 0},
+        "gpu": {"resources": {"CPU": 8, "GPU": 1}, "min_workers": 0, "max_workers": 4},
+    },
+}
+
+
+def test_the_autoscalers_config_says_what_the_cluster_can_grow_to():
+    from experiments.autoscale import Growth, NodeType, growth_from_config
+
+    growth = growth_from_config(AWS_LIKE)
+    assert growth == Growth((4.0, 0.0), (NodeType("gpu", 8.0, 1.0, 3),))  # capped by max_workers
+    assert growth.maximum() == (28.0, 3.0)
+    one_gpu = [{"CPU": 1, "GPU": 1}]
+    assert growth.pack(one_gpu, 8) == (3, {"gpu": 3})
+    assert growth.pack(one_gpu, 2) == (2, {"gpu": 2})  # capped by sweep.max_concurrent
+    ddp = [{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 0.01}]  # 2 workers + the trial's process
+    assert growth.pack(ddp, 8) == (1, {"gpu": 2})  # 3 GPU nodes hold one 2-GPU trial
+    unbounded = Growth((0.0, 0.0), (NodeType("cpu", 2.0, 0.0, -1),))
+    assert unbounded.pack([{"CPU": 1}], 5) == (5, {"cpu": 3}) and unbounded.maximum() is None
+
+
+def test_a_trial_no_node_type_holds_is_one_line():
+    from experiments.autoscale import growth_from_config, plan_width
+    from gptcore.errors import UserError
+
+    with pytest.raises(UserError, match=r"1 x \(1 CPU \+ 2 GPU\), which no node type .* gpu: 8 CPU, 1 GPU"):
+        plan_width(growth_from_config(AWS_LIKE), [{"CPU": 1, "GPU": 2}], 4, "one trial")
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +114,7 @@ def alive_workers(lc: LocalCluster) -> set[str]:
     return {n["node_id"] for n in cluster_view(lc)["nodes"] if n["alive"] and not n["head"]}
 
 
+@pytest.mark.ray
 def test_plan_shows_what_the_cluster_can_grow_to(elastic, tiny_data, tmp_path):
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=8)
     args = ["plan", str(config), "--address", elastic.address, "--tokens-per-sec", "1000"]
@@ -95,6 +126,7 @@ def test_plan_shows_what_the_cluster_can_grow_to(elastic, tiny_data, tmp_path):
     )
 
 
+@pytest.mark.ray
 def test_a_trial_no_node_type_can_hold_is_refused_in_seconds(elastic, tiny_data, tmp_path):
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
     storage = tmp_path / "sweeps"
@@ -108,6 +140,7 @@ def test_a_trial_no_node_type_can_hold_is_refused_in_seconds(elastic, tiny_data,
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_sweep_grows_the_cluster_from_nothing_and_lets_it_shrink(elastic, tiny_data, tmp_path):
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=24)
     storage = tmp_path / "sweeps"
@@ -136,6 +169,44 @@ def test_sweep_grows_the_cluster_from_nothing_and_lets_it_shrink(elastic, tiny_d
     wait_for(lambda: not alive_workers(elastic), 120, "the idle nodes to go away")
 
 
+UNANSWERED = """
+import json, sys, time
+import ray
+from ray.autoscaler.sdk import request_resources
+from ray.util.state import list_tasks
+from experiments.cluster import verify_shared_storage
+ray.init(address=sys.argv[1], logging_level="warning")
+request_resources(num_cpus=1)  # a worker node beside the head: a check of 2 nodes
+while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+    time.sleep(0.5)
+verify_shared_storage(sys.argv[2], timeout=0)  # no node can answer in no time
+request_resources(bundles=[])
+deadline = time.monotonic() + 60
+while True:
+    tasks = list_tasks(filters=[("func_or_class_name", "=", "_read_marker")], detail=True)
+    states = sorted(t.state for t in tasks)
+    if (tasks and all(s in ("FINISHED", "FAILED") for s in states)) or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps(states))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_shared_storage_check_cancels_the_tasks_nodes_did_not_answer(elastic, tmp_path):
+    """The marker readers still queued when the check gives up are cancelled, not left to run."""
+    args = [sys.executable, "-c", UNANSWERED, elastic.address, str(tmp_path)]
+    env = {**elastic.client_env(tmp_path), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "did not answer the shared-storage check within 0s" in proc.stdout
+    states = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert states == ["FAILED", "FAILED"], states  # cancelled; FINISHED had they been left
+    assert not list(tmp_path.glob(".gptrun-shared-check-*"))
+
+
+@pytest.mark.ray
 def test_down_leaves_no_process(elastic):
     """Last in the module: stops the cluster, the nodes its autoscaler added included."""
     nodes = elastic.state["nodes"]
