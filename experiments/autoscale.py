@@ -124,9 +124,12 @@ def autoscaler_growth() -> Growth | None:
        file of its monitor process: `ray up`'s bootstrap config, `ray start --autoscaling-config`),
        read by a zero-CPU task on the head. Ray 2.60's own autoscalers (v1 and v2) do not report
        (1), and no public API returns the node types' max counts.
-    An autoscaler is known to run when its status is in the GCS (what `ray status` reads), or
-    when Ray's autoscaler v2 is on. Its limits unknown, the cluster is taken to grow to no node
-    type at all: nothing is refused up front, and the bounded wait says what did not come."""
+    An autoscaler is known to run when its status in the GCS (what `ray status` reads) names a
+    node type of a cluster config (every `ray start --head` runs Ray's monitor, but on a static
+    cluster with a read-only provider whose node types are the nodes themselves, `node_<id>`),
+    or when Ray's autoscaler v2 is on (KubeRay's default). Its limits unknown, nothing is
+    refused up front: the sweep asks for `sweep.max_concurrent` trials and the bounded wait says
+    what did not come."""
     import ray
 
     config = _reported_cluster_config()
@@ -161,16 +164,23 @@ def _reported_cluster_config() -> object | None:
 
 
 def _autoscaler_runs() -> bool:
-    """Whether an autoscaler serves this cluster: the v1 monitor's status in the GCS's KV store
-    (the key `ray status` reads) or autoscaler v2 on. Private API, checked against Ray 2.60
-    (`ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS`, `ray.experimental.internal_kv`)."""
+    """Whether an autoscaler that can add nodes serves this cluster: the v1 monitor's status in
+    the GCS's KV store (the key `ray status` reads) names a configured node type, not only the
+    read-only provider's `node_<id>` mirrors of the nodes there; or autoscaler v2 is on. Private
+    API, checked against Ray 2.60 (`ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS`,
+    `ray.experimental.internal_kv`, the monitor's `autoscaler_report`)."""
     from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
     from ray.autoscaler.v2.utils import is_autoscaler_v2
     from ray.experimental.internal_kv import _internal_kv_get
 
     try:
-        return bool(_internal_kv_get(DEBUG_AUTOSCALING_STATUS)) or is_autoscaler_v2()
-    except Exception:  # is_autoscaler_v2 asks the GCS too
+        raw = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+        if raw:
+            report = json.loads(raw).get("autoscaler_report") or {}
+            kinds = {*(report.get("node_type_mapping") or {}).values(), *(report.get("active_nodes") or {})}
+            return any(not kind.startswith("node_") for kind in kinds)
+        return is_autoscaler_v2()
+    except Exception:  # a GCS without these keys: a static cluster as far as we can tell
         return False
 
 
@@ -272,14 +282,14 @@ def wait_for_first_trial(trial: list[Bundle], nodes: dict[str, int], what: str) 
     wait_s = autoscale_wait_s()
     need_cpus = sum(b.get("CPU", 0) for b in trial)
     need_gpus = sum(b.get("GPU", 0) for b in trial)
-    kinds = ", ".join(f"{n} x {name}" for name, n in nodes.items()) or "none"
+    kinds = ", ".join(f"{n} x {name}" for name, n in nodes.items()) or "node types unknown"
     wanted = sum(nodes.values())
     start = time.monotonic()
     alive0 = _alive_workers()
     seen = None
     while True:
         total = ray.cluster_resources()
-        up = max(0, _alive_workers() - alive0) if wanted else 0
+        up = max(0, _alive_workers() - alive0)
         if total.get("CPU", 0) + 1e-9 >= need_cpus and total.get("GPU", 0) + 1e-9 >= need_gpus:
             if seen is not None:
                 print(
@@ -288,8 +298,9 @@ def wait_for_first_trial(trial: list[Bundle], nodes: dict[str, int], what: str) 
                 )
             return
         if up != seen:
+            count = f"{up}/{wanted}" if wanted else str(up)
             print(
-                f"waiting for {wanted} node(s) from the autoscaler ({kinds}): {up}/{wanted} up, "
+                f"waiting for {wanted or 'the'} node(s) from the autoscaler ({kinds}): {count} up, "
                 f"{time.monotonic() - start:.0f} s",
                 flush=True,
             )

@@ -119,12 +119,12 @@ def run_sweep(plan: SweepPlan) -> int:
         parent = plan.location.rpartition("/")[0]
         create_storage(parent)
         verify_shared_storage(parent)  # every node must see the trials' checkpoints
-        if plan.restart:  # every check passed: now the old experiment and its study may go
-            remove_experiment(exp_dir, plan.uri)
-            if cfg.sweep.storage_url:
-                from experiments.study import delete_study
+        if plan.restart or plan.uri:  # every check passed: the old experiment may go (and a
+            remove_experiment(exp_dir, plan.uri)  # working copy left from a deleted URI's)
+        if plan.restart and cfg.sweep.storage_url:
+            from experiments.study import delete_study
 
-                delete_study(cfg.sweep.storage_url, exp_dir.name)
+            delete_study(cfg.sweep.storage_url, exp_dir.name)
         if plan.uri:
             remote.open_working_copy(plan.uri, pull=False)
         start_experiment(exp_dir, cfg, {"max_concurrent": width, **study_record(cfg, exp_dir)})
