@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import REPO, assert_user_error, write_sweep_config
 from tests.test_cluster import (
     LocalCluster,
+    assert_down_leaves_no_process,
     exp_trials,
     local_sh,
     run_clean,
@@ -209,9 +210,4 @@ def test_shared_storage_check_cancels_the_tasks_nodes_did_not_answer(elastic, tm
 @pytest.mark.ray
 def test_down_leaves_no_process(elastic):
     """Last in the module: stops the cluster, the nodes its autoscaler added included."""
-    nodes = elastic.state["nodes"]
-    assert elastic.pids(nodes)
-    proc = local_sh("down", state=elastic.dir)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert elastic.pids(nodes) == []
-    assert elastic.local.proc_stat(nodes[0]["pid"]) is None
+    assert_down_leaves_no_process(elastic)

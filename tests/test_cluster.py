@@ -524,13 +524,19 @@ def test_storage_a_node_does_not_see_is_refused_naming_the_node(two_nodes, tiny_
 @pytest.mark.ray
 def test_down_leaves_no_process(two_nodes):
     """Last in the module: stops the shared cluster."""
-    nodes = two_nodes.state["nodes"]
-    assert two_nodes.pids(nodes)
-    proc = local_sh("down", state=two_nodes.dir)
+    assert_down_leaves_no_process(two_nodes)
+
+
+def assert_down_leaves_no_process(lc: LocalCluster) -> None:
+    """`down` stops every process of the cluster's nodes' sessions (on an autoscaling cluster,
+    the nodes the autoscaler added too: they live in the head's session)."""
+    nodes = lc.state["nodes"]
+    assert lc.pids(nodes)
+    proc = local_sh("down", state=lc.dir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no process left" in proc.stdout
-    assert two_nodes.pids(nodes) == []
+    assert lc.pids(nodes) == []
     for node in nodes:  # the recorded leaders are gone, not just their sessions
-        assert two_nodes.local.proc_stat(node["pid"]) is None
-    assert not Path(two_nodes.dir / "state.json").exists()
+        assert lc.local.proc_stat(node["pid"]) is None
+    assert not Path(lc.dir / "state.json").exists()
     assert local_sh("status", state=two_nodes.dir).returncode == 1

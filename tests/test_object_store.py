@@ -9,6 +9,7 @@ is one line, exit 2, before Ray starts, with nothing written."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,7 +31,6 @@ BUCKET = "gptrun-test"
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A moto S3 server with one bucket; the environment a client needs to reach it (fake
     credentials, no instance metadata lookups, a cache of its own for the working copies)."""
-    import boto3
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -43,30 +44,28 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         "AWS_EC2_METADATA_DISABLED": "true",
         "GPTRUN_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
     }
-    boto3.client(
-        "s3",
-        endpoint_url=env["AWS_ENDPOINT_URL"],
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=BUCKET)
+    s3_client(env).create_bucket(Bucket=BUCKET)
     try:
         yield env
     finally:
         server.stop()
 
 
-def keys(env: dict[str, str], prefix: str) -> list[str]:
-    """Every object key under `prefix` in the test bucket."""
+def s3_client(env: dict[str, str]) -> Any:
     import boto3
 
-    client = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=env["AWS_ENDPOINT_URL"],
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
     )
+
+
+def keys(env: dict[str, str], prefix: str) -> list[str]:
+    """Every object key under `prefix` in the test bucket."""
+    client = s3_client(env)
     found: list[str] = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
         found += [obj["Key"] for obj in page.get("Contents", [])]
@@ -75,17 +74,7 @@ def keys(env: dict[str, str], prefix: str) -> list[str]:
 
 def result_rows(env: dict[str, str], prefix: str) -> dict[str, list[dict]]:
     """Every report of every trial, from the trials' result.json objects."""
-    import json
-
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=env["AWS_ENDPOINT_URL"],
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
+    client = s3_client(env)
     rows: dict[str, list[dict]] = {}
     for key in keys(env, prefix):
         if key.endswith("/result.json") and "/runs/" not in key:
