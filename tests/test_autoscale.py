@@ -203,7 +203,7 @@ def test_shared_storage_check_cancels_the_tasks_nodes_did_not_answer(elastic, tm
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "did not answer the shared-storage check within 0s" in proc.stdout
     states = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert states == ["FAILED", "FAILED"], states  # cancelled; FINISHED had they been left
+    assert len(states) >= 2 and set(states) == {"FAILED"}, states  # cancelled, not left to finish
     assert not list(tmp_path.glob(".gptrun-shared-check-*"))
 
 
