@@ -229,9 +229,10 @@ def _monitor_config(gcs_port: str) -> str | None:
             continue
         config = next((a.split("=", 1)[1] for a in args if a.startswith("--autoscaling-config=")), None)
         serves = any(a.startswith("--gcs-address=") and a.endswith(f":{gcs_port}") for a in args)
-        if config and serves:
+        if config and serves:  # a relative path is the monitor's: from its working folder
+            path = Path(entry.path, "cwd", os.path.expanduser(config))
             try:
-                return json.dumps(yaml.safe_load(Path(os.path.expanduser(config)).read_text()))
+                return json.dumps(yaml.safe_load(path.read_text()))
             except (OSError, yaml.YAMLError):
                 return None
     return None
