@@ -249,13 +249,13 @@ def print_table(sides: dict[str, list[dict[str, Any]]]) -> None:
         ("idle nodes gone after (s)", "shrink_s"),
     ]
     names = list(sides)
-    head = "".join(f"{n:>20}" for n in names) + "".join(f"{n + '/local':>22}" for n in names[1:])
+    head = "".join(f"{n:>16}" for n in names) + "".join(f"{n + ' / ' + names[0]:>24}" for n in names[1:])
     print(f"{'':<28}{head}")
     for label, key in rows:
         values = [median_of(rows_, key) if key in rows_[0] else math.nan for rows_ in sides.values()]
-        cells = "".join(f"{'-' if math.isnan(v) else f'{v:.1f}':>20}" for v in values)
+        cells = "".join(f"{'-' if math.isnan(v) else f'{v:.1f}':>16}" for v in values)
         ratios = "".join(
-            f"{'-' if math.isnan(v) or not values[0] > 0 else f'{v / values[0]:.2f}':>22}" for v in values[1:]
+            f"{'-' if math.isnan(v) or not values[0] > 0 else f'{v / values[0]:.2f}':>24}" for v in values[1:]
         )
         print(f"{label:<28}{cells}{ratios}")
 
@@ -363,8 +363,11 @@ def main() -> None:
             "up", "--nodes", str(args.nodes), "--cpus-per-node", str(args.cpus_per_node), state=static
         )
         up_s = time.monotonic() - start
-        sides: dict[str, list[dict[str, Any]]] = {"local Ray": [], f"{args.nodes + 1}-node cluster": [],
-                                                  "autoscaling, from 0": []}  # fmt: skip
+        sides: dict[str, list[dict[str, Any]]] = {
+            "local": [],
+            f"{args.nodes + 1} nodes": [],
+            "autoscaling": [],
+        }
         try:
             if up.returncode != 0:
                 sys.exit(f"cluster/local.sh up failed:\n{up.stdout}{up.stderr}")
@@ -375,15 +378,15 @@ def main() -> None:
             if grown.returncode != 0:
                 sys.exit(f"cluster/local.sh up --autoscale failed:\n{grown.stdout}{grown.stderr}")
             runs = [
-                ("local Ray", clean_env(), None, None),
-                (f"{args.nodes + 1}-node cluster", *_client(static), None),
-                ("autoscaling, from 0", *_client(elastic), elastic),
+                ("local", clean_env(), None, None),
+                (f"{args.nodes + 1}-nodes", *_client(static), None),
+                ("autoscaling", *_client(elastic), elastic),
             ]
             for k in range(args.rounds):
                 for (label, env, address, autoscaling), rows in zip(runs, sides.values(), strict=True):
                     if autoscaling is not None:
                         wait_workers(autoscaling, 0, 300)  # an empty cluster again
-                    name = f"{label.split()[0].strip(',')}-{k}"
+                    name = f"{label}-{k}"
                     rows.append(run_sweep(config, root / "sweeps", name, env, address, args.timeout))
                     if autoscaling is not None:
                         rows[-1]["shrink_s"] = wait_workers(autoscaling, 0, 300)
