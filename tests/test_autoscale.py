@@ -91,7 +91,7 @@ from ray._raylet import GcsClient
 from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
 import local
 state = json.load(open(sys.argv[2]))
-raw = GcsClient(address=state["address"]).internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL.encode(), None)
+raw = GcsClient(address=state["address"]).internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL, None)
 nodes = local.gcs_nodes(state)
 print(json.dumps({"nodes": nodes, "request": json.loads(raw) if raw else []}))
 """
@@ -184,7 +184,7 @@ verify_shared_storage(sys.argv[2], timeout=0)  # no node can answer in no time
 request_resources(bundles=[])
 deadline = time.monotonic() + 60
 while True:
-    tasks = list_tasks(filters=[("func_or_class_name", "=", "_read_marker")], detail=True)
+    tasks = list_tasks(sys.argv[1], filters=[("func_or_class_name", "=", "_read_marker")], detail=True)
     states = sorted(t.state for t in tasks)
     if (tasks and all(s in ("FINISHED", "FAILED") for s in states)) or time.monotonic() > deadline:
         break

@@ -539,4 +539,4 @@ def assert_down_leaves_no_process(lc: LocalCluster) -> None:
     for node in nodes:  # the recorded leaders are gone, not just their sessions
         assert lc.local.proc_stat(node["pid"]) is None
     assert not Path(lc.dir / "state.json").exists()
-    assert local_sh("status", state=two_nodes.dir).returncode == 1
+    assert local_sh("status", state=lc.dir).returncode == 1
