@@ -239,7 +239,7 @@ def median_of(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def print_table(sides: dict[str, list[dict[str, Any]]]) -> None:
+def print_table(sides: dict[str, list[dict[str, Any]]], flush: bool = False) -> None:
     """One column per side, then each side's ratio to the local one."""
     rows = [
         ("launch -> first step (s)", "first_step_s"),
@@ -257,7 +257,7 @@ def print_table(sides: dict[str, list[dict[str, Any]]]) -> None:
         ratios = "".join(
             f"{'-' if math.isnan(v) or not values[0] > 0 else f'{v / values[0]:.2f}':>24}" for v in values[1:]
         )
-        print(f"{label:<28}{cells}{ratios}")
+        print(f"{label:<28}{cells}{ratios}", flush=flush)
 
 
 def checkpoint_upload_times(
@@ -299,7 +299,8 @@ def checkpoint_upload_times(
                     ("s3", s3, f"bench/{src.name}-{k}"),
                 ):
                     start = time.perf_counter()
-                    # As Ray persists a checkpoint (ray.train._internal.storage._pyarrow_fs_copy_files).
+                    # As Ray persists a checkpoint (ray.train._internal.storage._upload_to_fs_path).
+                    fs.create_dir(dest, recursive=True)
                     pyarrow.fs.copy_files(
                         str(src), dest, destination_filesystem=fs, use_threads=side == "local",
                         chunk_size=64 * 1024 * 1024,
@@ -402,8 +403,17 @@ def main() -> None:
                     down = local_sh("down", "--grace", "10", state=state)
                     if down.returncode != 0:
                         print(f"warning: cluster/local.sh down: {down.stderr.strip()}", file=sys.stderr)
+        print_sweeps(args, sides, up_s, grow_nodes)
         uploads = checkpoint_upload_times(config, args.checkpoint_rounds, args.blob_mb, root)
+    print(f"\ncheckpoint upload, median of {args.checkpoint_rounds} (Ray's pyarrow.fs.copy_files):")
+    print(f"{'':<28}{'local folder (s)':>18}{'S3, moto (s)':>16}{'S3/local':>10}")
+    for label, local_s, s3_s in uploads:
+        print(f"{label:<28}{local_s:>18.3f}{s3_s:>16.3f}{s3_s / local_s:>10.1f}")
 
+
+def print_sweeps(
+    args: argparse.Namespace, sides: dict[str, list[dict[str, Any]]], up_s: float, grow_nodes: int
+) -> None:
     print(
         f"\n{args.trials} trials x {args.steps} steps (tiny model, batch {BATCH} x {SEQ_LEN} "
         f"tokens), {args.concurrent} at a time, 1 CPU each; median of {args.rounds} round(s); "
@@ -412,11 +422,7 @@ def main() -> None:
         f"{args.cpus_per_node} CPU(s) added by Ray's autoscaler (fake multi-node provider), idle "
         f"timeout {args.idle_timeout_s:g}s"
     )
-    print_table(sides)
-    print(f"\ncheckpoint upload, median of {args.checkpoint_rounds} (Ray's pyarrow.fs.copy_files):")
-    print(f"{'':<28}{'local folder (s)':>18}{'S3, moto (s)':>16}{'S3/local':>10}")
-    for label, local_s, s3_s in uploads:
-        print(f"{label:<28}{local_s:>18.3f}{s3_s:>16.3f}{s3_s / local_s:>10.1f}")
+    print_table(sides, flush=True)
 
 
 def _client(state: Path) -> tuple[dict[str, str], str]:
