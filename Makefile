@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install demo chat-demo test test-services lint bench clean
+.PHONY: install demo chat-demo test test-services lint clean
 
 install: $(VENV)/.installed
 
@@ -73,9 +73,12 @@ test-services:
 	@for cmd in munged slurmctld slurmd sbatch; do \
 		command -v $$cmd >/dev/null || { $(call apt_install,$(SLURM_PACKAGES)); break; }; done
 
+# ruff format also checks the python code blocks of every Markdown file (README.md, docs/*.md,
+# cluster/README.md); tests/test_docs.py checks their links and their gptrun command lines.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q tests/test_docs.py
 	@command -v shellcheck >/dev/null || { $(call apt_install,shellcheck); }
 	shellcheck cluster/*.sh
 
