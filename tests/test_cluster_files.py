@@ -434,6 +434,16 @@ def test_rayjob_sweeps_on_the_shared_volume_and_resumes_a_sweep_that_exists(tmp_
     ]
 
 
+def test_readme_says_where_each_recipe_binds_the_dashboard():
+    """127.0.0.1 on local.sh, ray up and Slurm (checked above); KubeRay binds it to 0.0.0.0 in the
+    head pod, behind the ClusterIP Service (it sets no dashboard-host of ours, checked above): the
+    README must say so rather than claim 127.0.0.1 everywhere."""
+    text = (CLUSTER / "README.md").read_text()
+    bullet = re.search(r"^- \*\*The dashboard.*?(?=^- \*\*|^#)", text, re.M | re.S).group(0)
+    assert "127.0.0.1" in bullet and "Kubernetes" in bullet, bullet
+    assert "0.0.0.0" in bullet and "ClusterIP" in bullet, bullet
+
+
 # ------------------------------------------------------------------ one Ray version
 
 

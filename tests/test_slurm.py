@@ -91,9 +91,10 @@ def output(folder: Path, job_id: str) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def checkpointed_mid_trial(exp_dir: Path) -> tuple[str, int] | None:
-    """(trial id, step) of an unfinished trial whose checkpoint Tune's saved experiment state
-    holds at step >= 2 intervals: what a resume continues from."""
+def checkpointed_mid_trial(exp_dir: Path) -> dict[str, int]:
+    """{trial id: step} of the unfinished trials whose checkpoint (at >= 2 intervals) is in Tune's
+    saved experiment state: what a resume continues them from."""
+    found = {}
     for path in sorted(exp_dir.glob("experiment_state-*.json")):
         try:
             trial_data = json.loads(path.read_text())["trial_data"]
@@ -102,8 +103,8 @@ def checkpointed_mid_trial(exp_dir: Path) -> tuple[str, int] | None:
         for _, runtime in trial_data:
             result = json.loads(runtime).get("last_result") or {}
             if result.get("checkpoint_dir_name") and 2 * EVERY <= result.get("step", 0) < STEPS:
-                return result["trial_id"], int(result["step"])
-    return None
+                found[result["trial_id"]] = int(result["step"])
+    return found
 
 
 def processes_under(folder: Path) -> list[int]:
@@ -143,6 +144,31 @@ def wait_until(condition, timeout: float, what: str, job: tuple[Slurm, str, Path
     pytest.fail(f"no {what} within {timeout:g}s:\n{output(folder, job_id)[-4000:]}")
 
 
+def assert_one_ray_step_per_node(slurm: Slurm, job_id: str, scratch: Path) -> None:
+    """Each Ray node is one `srun` step on its own Slurm node, one task with all the task's CPUs
+    (-c: Slurm >= 22.05 no longer passes --cpus-per-task to steps), its session folder in the
+    node's scratch."""
+    steps = {s["Name"]: s for s in slurm.steps(job_id) if s["Name"].startswith("ray-")}
+    assert set(steps) == {"ray-head", "ray-worker"}, steps
+    for name, node in (("ray-head", "n1"), ("ray-worker", "n2")):
+        assert steps[name]["NodeList"] == node, steps[name]
+        assert (steps[name]["Nodes"], steps[name]["Tasks"]) == ("1", "1"), steps[name]
+        assert steps[name].get("TresPerTask") == f"cpu:{CPUS}", steps[name]
+        assert list((scratch / node).glob("session_*")), f"no Ray session folder in {scratch / node}"
+
+
+def assert_every_ray_process_has_the_jobs_token(token: Path, scratch: Path) -> None:
+    """The token file is 0600 in a 0700 folder, and every Ray process reads it (and no stray
+    RAY_AUTH_TOKEN, which would win over the file)."""
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert stat.S_IMODE(token.parent.parent.stat().st_mode) == 0o700
+    ray_envs = [environment(pid) for pid in processes_under(scratch)]
+    assert len(ray_envs) >= 4, ray_envs  # at least ray start, GCS and a raylet per node
+    for ray_env in filter(None, ray_envs):
+        assert ray_env["RAY_AUTH_MODE"] == "token" and ray_env["RAY_AUTH_TOKEN_PATH"] == str(token)
+        assert "RAY_AUTH_TOKEN" not in ray_env
+
+
 def test_sbatch_runs_a_sweep_on_two_nodes_and_resumes_it_after_scancel(slurm, tiny_data, tmp_path, scratch):
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -160,35 +186,22 @@ def test_sbatch_runs_a_sweep_on_two_nodes_and_resumes_it_after_scancel(slurm, ti
 
     first = sbatch(slurm, env, tmp_path)
     job = (slurm, first, tmp_path)
-    trial_id, step = wait_until(lambda: checkpointed_mid_trial(exp_dir), 240, "checkpoint mid-trial", job)
-    # Each Ray node is one step on its own node with all the task's CPUs (srun -c), one task.
-    steps = {s["Name"]: s for s in slurm.steps(first) if s["Name"].startswith("ray-")}
-    assert set(steps) == {"ray-head", "ray-worker"}, steps
-    for name, node in (("ray-head", "n1"), ("ray-worker", "n2")):
-        assert steps[name]["NodeList"] == node, steps[name]
-        assert (steps[name]["Nodes"], steps[name]["Tasks"]) == ("1", "1"), steps[name]
-        assert steps[name].get("TresPerTask") == f"cpu:{CPUS}", steps[name]
-        assert list((scratch / node).glob("session_*")), f"no Ray session folder in {scratch / node}"
-    # Every Ray process has the job's token file (0600, in a 0700 folder), and no stray token.
-    token = shared / ".gptrun-ray" / first / "token"
-    assert stat.S_IMODE(token.stat().st_mode) == 0o600
-    assert stat.S_IMODE(token.parent.parent.stat().st_mode) == 0o700
-    ray_envs = [environment(pid) for pid in processes_under(scratch)]
-    assert len(ray_envs) >= 4, ray_envs  # at least ray start, GCS and a raylet per node
-    for ray_env in filter(None, ray_envs):
-        assert ray_env["RAY_AUTH_MODE"] == "token" and ray_env["RAY_AUTH_TOKEN_PATH"] == str(token)
-        assert "RAY_AUTH_TOKEN" not in ray_env
+    wait_until(lambda: (exp_dir / "tuner.pkl").exists(), 240, "sweep", job)
     text = output(tmp_path, first)
     head = re.search(r"^Ray head on n1 \(([\d.]+):(\d+)\)", text, re.M)
     assert head and not head.group(1).startswith("127."), text[-3000:]  # not Debian's 127.0.1.1
     assert f"Ray cluster ready: 2 node(s), {2 * CPUS} CPUs" in text, text[-3000:]
+    assert_one_ray_step_per_node(slurm, first, scratch)
+    token = shared / ".gptrun-ray" / first / "token"
+    assert_every_ray_process_has_the_jobs_token(token, scratch)
 
+    wait_until(lambda: checkpointed_mid_trial(exp_dir), 240, "checkpoint mid-trial", job)
     assert slurm.command("scancel", first).returncode == 0
     assert slurm.wait_job(first, 120)["JobState"] == "CANCELLED"
     assert not token.parent.exists(), "the job's token outlived it"
     wait_until(lambda: not processes_under(scratch), 60, "end of the Ray processes", job, running=False)
-    before = trial_records(exp_dir)
-    assert before[trial_id][-1]["step"] < STEPS, before[trial_id][-1]
+    interrupted = checkpointed_mid_trial(exp_dir)  # Tune's last word before the cancel
+    assert interrupted
 
     second = sbatch(slurm, env, tmp_path)  # the same submission: resumes the sweep
     ended = slurm.wait_job(second, 300)
@@ -197,8 +210,9 @@ def test_sbatch_runs_a_sweep_on_two_nodes_and_resumes_it_after_scancel(slurm, ti
     assert f"resuming {exp_dir}" in text and "best trial" in text, text[-4000:]
     after = trial_records(exp_dir)
     assert len(after) == N_TRIALS and all(recs[-1]["step"] == STEPS for recs in after.values()), after
-    resumed = [r["resumed_from"] for r in after[trial_id] if r.get("resumed_from", 0) > 0]
-    assert resumed and step <= resumed[0] < STEPS, (step, resumed)  # from its checkpoint, not step 0
+    for trial_id, step in interrupted.items():  # from its checkpoint, not from step 0
+        resumed = [r["resumed_from"] for r in after[trial_id] if r.get("resumed_from", 0) > 0]
+        assert resumed and step <= resumed[0] < STEPS, (trial_id, step, resumed)
     assert_resumed_study(study_rows(exp_dir), after)
     assert len({recs[-1]["node_id"] for recs in after.values()}) == 2  # trials ran on both nodes
     assert not processes_under(scratch)
