@@ -2,13 +2,13 @@
 (API version v1) of one release, which tests/test_cluster_files.py validates the manifests in
 cluster/kuberay/ against.
 
-    git clone https://github.com/ray-project/kuberay && cd kuberay && git checkout v1.7.0
-    python tests/vendor_kuberay_crds.py v1.7.0 ray-operator/config/crd/bases
+    git clone --branch v1.7.0 --depth 1 https://github.com/ray-project/kuberay ../kuberay
+    python tests/vendor_kuberay_crds.py v1.7.0 ../kuberay/ray-operator/config/crd/bases
 
 The schemas are kept as they are, except that a subtree repeated verbatim (the pod template
 of the head, of every worker group and of the RayJob submitter; the RayJob's rayClusterSpec,
 which is the RayCluster's spec) is stored once under `$defs` and referred to by `$ref`: the same
-schema, in 60 KB instead of 370 KB.
+schema, in 56 KB instead of 370 KB.
 """
 
 from __future__ import annotations
