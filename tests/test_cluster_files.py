@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import re
 import subprocess
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import tomllib
 import yaml
 from packaging.requirements import Requirement
@@ -470,7 +470,7 @@ def pinned_ray_versions() -> dict[str, set[str]]:
 def test_one_ray_version_in_pyproject_the_recipes_and_the_tests():
     """What the tests run is what every recipe installs, and pyproject allows only that minor
     release (and never a Ray without token authentication, < 2.52)."""
-    tested = ray.__version__
+    tested = version("ray")  # the Ray these tests run
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     (spec,) = [Requirement(r).specifier for r in project["dependencies"] if Requirement(r).name == "ray"]
     major, minor = (int(x) for x in tested.split(".")[:2])

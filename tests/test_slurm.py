@@ -5,9 +5,10 @@ trial lost or repeated; a loopback head address is refused in one line.
 
 Two Slurm nodes, n1 and n2, on this one machine: two `slurmd -N` daemons (Slurm's multiple-slurmd
 setup, which Debian's build runs), so the job gets a real two-node allocation and each Ray node
-is a real `srun` step on its own Slurm node. Network namespaces would give each node its own IP
-too, but they need CAP_NET_ADMIN, which a CI container may not grant; here both Ray nodes share
-the machine's address, so Ray's per-node ports are made free ones through RAY_HEAD_ARGS /
+is a real `srun` step on its own Slurm node. Network namespaces (`ip netns` + veth) would also
+give each node its own IP address, at the cost of root-only network setup (a bridge, addresses,
+routes) on a machine the tests share; two slurmd need none. So both Ray nodes share the
+machine's address: Ray's per-node ports are made free ones through RAY_HEAD_ARGS /
 RAY_WORKER_ARGS, and each node's session folder is its own (RAY_TMP/<node>).
 """
 
