@@ -14,7 +14,7 @@ from experiments import remote
 from experiments.config import RayExperiment
 from experiments.experiment import META_FILE, is_experiment, read_events
 from experiments.space import ZERO_SUFFIX, Space, apply_overrides
-from experiments.table import fmt_sci, fmt_tokens, print_columns
+from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
 from gptcore.errors import UserError
 
 if TYPE_CHECKING:
@@ -156,6 +156,7 @@ def print_table(
     sci = {p.key.rpartition(".")[2] for p in space.params if p.kind == "loguniform"} if space else set()
     at = [f"at {fmt_tokens(common.tokens)}"] if common else []
     header = ["#", *keys, "tokens", "val_loss", *at, "best", "bpb", "status", "wall", "node"]
+    nodes = short_ids(t["node_id"] for t in trials)
     rows = []
     for rank, t in enumerate(trials, 1):
         params = short_params(t["config"])
@@ -173,7 +174,7 @@ def print_table(
                 fmt_value(t["val_bpb"]),
                 t["status"],
                 f"{t['wall_s']:.0f}s",
-                t["node_id"][:8] or "-",
+                nodes.get(t["node_id"], "-"),
             ]
         )
     print_columns(header, rows)

@@ -32,6 +32,7 @@ from experiments.cluster import (
 from experiments.config import RayExperiment, load_experiment
 from experiments.experiment import (
     BEST_FILE,
+    STUDY_FILE,
     load_base,
     open_experiment,
     remove_experiment,
@@ -156,6 +157,12 @@ def plan_resume(experiment: str) -> SweepPlan:
         raise UserError(
             f"{uri or exp_dir} has no Tune state to resume (killed before its first "
             "trial started?); start it again with `gptrun sweep CONFIG --restart`"
+        )
+    if uri and not cfg.sweep.storage_url and not (exp_dir / STUDY_FILE).exists():
+        raise UserError(
+            f"{uri}: its Optuna study is {STUDY_FILE} on the machine that started it (in gptrun's "
+            "cache there), not in the object store; resume it on that machine, or give sweeps that "
+            "move between machines a shared study with sweep.storage_url (PostgreSQL)"
         )
     return SweepPlan(checked_for_workers(cfg), parse_space(cfg), exp_dir, uri=uri)
 

@@ -3,7 +3,8 @@ layout, so that widths, alignment and spacing cannot drift apart between copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 
 def print_columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
@@ -30,3 +31,12 @@ def fmt_sci(value: float) -> str:
         return "0"
     mantissa, _, exponent = f"{value:.2e}".partition("e")
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def short_ids(ids: Iterable[str]) -> dict[str, str]:
+    """Each Ray node id as the tables show it: its first 8 hex digits, or its last 8 where the
+    first 8 of two nodes are the same (Ray's fake multi-node provider numbers its nodes at the
+    end of a run of f's, so that only the end tells them apart)."""
+    distinct = {i for i in ids if i}
+    heads = Counter(i[:8] for i in distinct)
+    return {i: i[:8] if heads[i[:8]] == 1 else i[-8:] for i in distinct}

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,23 @@ def study_values(url: str, name: str) -> dict[str, tuple[str, float | None, dict
             }
     finally:
         engine.dispose()
+
+
+def mid_trial_checkpoints(states: Iterable[str], low: int, high: int) -> dict[str, int]:
+    """{trial id: step} of the trials that Tune's saved experiment states (the texts of its
+    `experiment_state-*.json`) hold with a checkpoint at a step in [low, high): what a resume
+    continues them from. A state caught while being replaced is skipped."""
+    found = {}
+    for text in states:
+        try:
+            trial_data = json.loads(text)["trial_data"]
+        except (json.JSONDecodeError, KeyError):
+            continue
+        for _, runtime in trial_data:
+            result = json.loads(runtime).get("last_result") or {}
+            if result.get("checkpoint_dir_name") and low <= result.get("step", 0) < high:
+                found[result["trial_id"]] = int(result["step"])
+    return found
 
 
 def committed_step(run_dir: Path) -> int:

@@ -12,6 +12,7 @@ The module shares one cluster for all its tests; `down` at the end checks that n
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -162,48 +163,65 @@ def test_sweep_grows_the_cluster_from_nothing_and_lets_it_shrink(elastic, tiny_d
     known = {n["node_id"] for n in view["nodes"]}  # alive or gone: the GCS remembers them
     assert head not in nodes and nodes <= known, (nodes, known)
 
-    from experiments.report.data import trial_rows
-    from experiments.results import load_trials
+    from experiments.table import short_ids
 
-    assert {r["node_id"] for r in trial_rows(load_trials(storage / "grow"))} == nodes  # the node column
+    shown = short_ids(nodes)  # the table's node column tells the added nodes apart
+    assert len(set(shown.values())) == len(nodes), shown
+    table = proc.stdout[proc.stdout.rindex("val_loss") :]
+    assert all(short in table for short in shown.values()), (shown, table)
     assert view["request"] == []  # released: nothing keeps the nodes
     wait_for(lambda: not alive_workers(elastic), 120, "the idle nodes to go away")
 
 
 UNANSWERED = """
-import json, sys, time
+import json, os, signal, sys, time
 import ray
 from ray.autoscaler.sdk import request_resources
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.util.state import list_tasks
 from experiments.cluster import verify_shared_storage
 ray.init(address=sys.argv[1], logging_level="warning")
 request_resources(num_cpus=1)  # a worker node beside the head: a check of 2 nodes
 while len([n for n in ray.nodes() if n["Alive"]]) < 2:
     time.sleep(0.5)
-verify_shared_storage(sys.argv[2], timeout=0)  # no node can answer in no time
+head = "node:__internal_head__"
+worker = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and head not in n["Resources"])
+on_worker = NodeAffinitySchedulingStrategy(worker, soft=False)
+raylet = ray.get(ray.remote(num_cpus=0)(os.getppid).options(scheduling_strategy=on_worker).remote())
+assert b"raylet" in open(f"/proc/{raylet}/cmdline", "rb").read(), raylet  # a task's parent
+os.kill(raylet, signal.SIGSTOP)  # the node cannot answer; seconds: well within the GCS's health checks
+try:
+    verify_shared_storage(sys.argv[2], timeout=3)
+finally:
+    os.kill(raylet, signal.SIGCONT)
 request_resources(bundles=[])
 deadline = time.monotonic() + 60
-while True:
+while True:  # until every reader has ended: run (FINISHED) or cancelled (FAILED)
     tasks = list_tasks(sys.argv[1], filters=[("func_or_class_name", "=", "_read_marker")], detail=True)
-    states = sorted(t.state for t in tasks)
-    if (tasks and all(s in ("FINISHED", "FAILED") for s in states)) or time.monotonic() > deadline:
+    ended = [t for t in tasks if t.state in ("FINISHED", "FAILED")]
+    if (tasks and len(ended) == len(tasks)) or time.monotonic() > deadline:
         break
     time.sleep(0.5)
-print(json.dumps(states))
+print(json.dumps([[t.state, t.error_type] for t in tasks]))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.ray
 def test_shared_storage_check_cancels_the_tasks_nodes_did_not_answer(elastic, tmp_path):
-    """The marker readers still queued when the check gives up are cancelled, not left to run."""
+    """A node whose raylet is stopped cannot answer the check in time: its marker reader, still
+    queued when the check gives up, is cancelled, not left to run once the node is back."""
     args = [sys.executable, "-c", UNANSWERED, elastic.address, str(tmp_path)]
     env = {**elastic.client_env(tmp_path), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "did not answer the shared-storage check within 0s" in proc.stdout
-    states = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(states) >= 2 and set(states) == {"FAILED"}, states  # cancelled, not left to finish
+    unanswered = re.search(
+        r"warning: (\d+) node\(s\) did not answer the shared-storage check within 3s", proc.stdout
+    )
+    assert unanswered, proc.stdout[-2000:]
+    tasks = json.loads(proc.stdout.strip().splitlines()[-1])
+    cancelled = [t for t in tasks if t == ["FAILED", "TASK_CANCELLED"]]
+    assert len(tasks) >= 2 and len(cancelled) == int(unanswered[1]) >= 1, tasks  # none ran later
     assert not list(tmp_path.glob(".gptrun-shared-check-*"))
 
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, assert_user_error, run_cli, write_sweep_config
+from tests.conftest import REPO, assert_user_error, mid_trial_checkpoints, run_cli, write_sweep_config
+from tests.test_sweep import assert_resumed_study, study_rows
 
 BUCKET = "gptrun-test"
 
@@ -105,6 +106,13 @@ def test_unreachable_endpoint_is_one_line(s3, tiny_data, tmp_path):
     assert_user_error(proc, "cannot reach the object store")
 
 
+def saved_states(env: dict[str, str], prefix: str) -> list[str]:
+    """The texts of Tune's experiment states under `prefix` (what a resume reads)."""
+    client = s3_client(env)
+    found = [k for k in keys(env, prefix) if k.rpartition("/")[2].startswith("experiment_state-")]
+    return [client.get_object(Bucket=BUCKET, Key=k)["Body"].read().decode() for k in found]
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
@@ -121,11 +129,9 @@ def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    try:  # until Tune has saved a state in which a trial has a checkpoint and is not finished
+    try:  # until the state Tune uploaded holds an unfinished trial with a checkpoint
         deadline = time.monotonic() + 300
-        while not any(
-            2 * every <= rows[-1]["step"] < steps for rows in result_rows(s3, "sweeps/killed/").values()
-        ) or not any("experiment_state" in k for k in keys(s3, "sweeps/killed/")):
+        while not mid_trial_checkpoints(saved_states(s3, "sweeps/killed/"), 2 * every, steps):
             assert driver.poll() is None, "the sweep ended before it was killed"
             assert time.monotonic() < deadline, "no trial got half-way in time"
             time.sleep(0.5)
@@ -133,16 +139,24 @@ def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=30)
+    interrupted = mid_trial_checkpoints(saved_states(s3, "sweeps/killed/"), 2 * every, steps)
     before = result_rows(s3, "sweeps/killed/")
+
+    elsewhere = {**s3, "GPTRUN_CACHE_DIR": str(tmp_path / "other-machine")}  # no study there
+    proc = run_cli("resume", uri, env=elsewhere, timeout=120)
+    assert_user_error(proc, "its Optuna study is optuna.db on the machine that started it")
 
     proc = run_cli("resume", uri, env=s3, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     after = result_rows(s3, "sweeps/killed/")
     assert len(after) == 3 and set(before) <= set(after), (sorted(before), sorted(after))
     assert all(rows[-1]["step"] == steps for rows in after.values()), after
-    resumed = [tid for tid, rows in before.items() if rows[-1]["step"] < steps]
-    for tid in resumed:  # continued from a checkpoint, not from step 0
-        assert any(r.get("resumed_from", 0) > 0 for r in after[tid]), after[tid]
+    for tid, step in interrupted.items():  # continued from its checkpoint, not from step 0
+        resumed = [r["resumed_from"] for r in after[tid] if r.get("resumed_from", 0) > 0]
+        assert resumed and step <= resumed[0] < steps, (tid, step, resumed)
+    assert_resumed_study(
+        study_rows(Path(s3["GPTRUN_CACHE_DIR"], "remote/s3", BUCKET, "sweeps/killed")), after
+    )
     names = {k.rsplit("/", 1)[-1] for k in keys(s3, "sweeps/killed/")}
     assert {"gptrun.toml", "sweep.json", "events.jsonl", "best.toml"} <= names
 

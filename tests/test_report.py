@@ -24,7 +24,7 @@ from experiments.report.importance import MIN_TRIALS, importances, too_few
 from experiments.report.page import report_page
 from experiments.results import print_table
 from experiments.space import parse_space
-from experiments.table import fmt_sci, fmt_tokens, print_columns
+from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
 from tests.conftest import assert_user_error, run_cli, study_values
 
 PNGS = ("curves.png", "params.png")
@@ -102,6 +102,13 @@ def test_readable_numbers() -> None:
         "0",
         "3e-1",
     ]
+
+
+def test_node_ids_are_shown_by_the_part_that_tells_them_apart() -> None:
+    real = ["3f2a9c1e77d0b4a1", "9b01c4d2e5f60718"]
+    fake = ["f" * 51 + "00001", "f" * 51 + "00002"]  # Ray's fake multi-node provider's ids
+    assert short_ids([*real, *real, ""]) == {real[0]: "3f2a9c1e", real[1]: "9b01c4d2"}
+    assert short_ids([*fake, real[0]]) == {fake[0]: "fff00001", fake[1]: "fff00002", real[0]: "3f2a9c1e"}
 
 
 def test_terminal_table(capsys: pytest.CaptureFixture[str]) -> None:

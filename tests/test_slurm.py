@@ -15,7 +15,6 @@ RAY_WORKER_ARGS, and each node's session folder is its own (RAY_TMP/<node>).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import stat
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, write_sweep_config
+from tests.conftest import REPO, mid_trial_checkpoints, write_sweep_config
 from tests.slurm import Slurm, free_ports, slurm_cluster
 from tests.test_sweep import assert_resumed_study, study_rows, trial_records
 
@@ -95,17 +94,11 @@ def output(folder: Path, job_id: str) -> str:
 def checkpointed_mid_trial(exp_dir: Path) -> dict[str, int]:
     """{trial id: step} of the unfinished trials whose checkpoint (at >= 2 intervals) is in Tune's
     saved experiment state: what a resume continues them from."""
-    found = {}
+    states = []
     for path in sorted(exp_dir.glob("experiment_state-*.json")):
-        try:
-            trial_data = json.loads(path.read_text())["trial_data"]
-        except (OSError, json.JSONDecodeError, KeyError):  # being replaced
-            continue
-        for _, runtime in trial_data:
-            result = json.loads(runtime).get("last_result") or {}
-            if result.get("checkpoint_dir_name") and 2 * EVERY <= result.get("step", 0) < STEPS:
-                found[result["trial_id"]] = int(result["step"])
-    return found
+        with contextlib.suppress(OSError):  # being replaced
+            states.append(path.read_text())
+    return mid_trial_checkpoints(states, 2 * EVERY, STEPS)
 
 
 def processes_under(folder: Path) -> list[int]:

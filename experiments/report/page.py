@@ -18,7 +18,7 @@ from experiments.report import interactive
 from experiments.report.common import CommonBudget
 from experiments.report.importance import Importances
 from experiments.space import Space
-from experiments.table import fmt_sci, fmt_tokens
+from experiments.table import fmt_sci, fmt_tokens, short_ids
 
 STATUS = {  # a status in words, and what it means on hover
     "completed": "trained its full token budget",
@@ -151,11 +151,12 @@ def trial_table(
         return "<p>No trials yet.</p>"
     sci = {p.key.rpartition(".")[2] for p in space.params if p.kind == "loguniform"}
     paths = {t["trial_id"]: t.get("path", "") for t in trials}
+    nodes = short_ids(r["node_id"] for r in rows)
     keys = [k for k in rows[0] if k != "common_tokens"]
     head = "".join(_header(k, common) for k in keys)
     body = "".join(
         f"<tr class='{r['status'].replace(' ', '-')}'>"
-        + "".join(_cell(k, r[k], sci, paths.get(r["trial_id"], ""), out_dir) for k in keys)
+        + "".join(_cell(k, r[k], sci, paths.get(r["trial_id"], ""), nodes, out_dir) for k in keys)
         + "</tr>"
         for r in rows
     )
@@ -189,7 +190,7 @@ def _header(key: str, common: CommonBudget) -> str:
     return f"<th>{escape(HEADERS.get(key, key))}</th>"
 
 
-def _cell(key: str, value: Any, sci: set[str], path: str, out_dir: Path) -> str:
+def _cell(key: str, value: Any, sci: set[str], path: str, nodes: dict[str, str], out_dir: Path) -> str:
     if key == "trial_id" and path and "://" not in path:
         href = Path(os.path.relpath(path, out_dir)).as_posix()
         return f"<td><a href='{escape(href)}/'>{escape(value)}</a></td>"
@@ -208,7 +209,7 @@ def _cell(key: str, value: Any, sci: set[str], path: str, out_dir: Path) -> str:
     if key == "checkpoint" and value:  # the trial's folder and checkpoint; the full path on hover
         return f"<td title='{escape(value)}'>{escape('/'.join(Path(value).parts[-2:]))}</td>"
     if key == "node_id":
-        return f"<td title='{escape(value)}'>{escape(value[:8])}</td>"
+        return f"<td title='{escape(value)}'>{escape(nodes.get(value, '-'))}</td>"
     return f"<td>{escape(_text(value))}</td>"
 
 
