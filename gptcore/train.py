@@ -35,7 +35,7 @@ from torch import nn
 
 from gptcore.chat_data import ChatData, open_prepared
 from gptcore.checkpoint import load_checkpoint
-from gptcore.config import ExperimentConfig, model_world_config, run_budget
+from gptcore.config import ExperimentConfig, model_world_config, run_budget, run_length
 from gptcore.data import IGNORE_INDEX, TokenData
 from gptcore.errors import DivergedError, UserError
 from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
@@ -360,11 +360,11 @@ class Trainer:
         Returns the last metrics, with `status` "completed"."""
         t = self.cfg.train
         end = self.total_steps if stop_at_step is None else min(stop_at_step, self.total_steps)
+        self.log(run_length(self.cfg, self.world_size))
         if self.step == 0:
             self.log(
                 f"model: {self.model.num_params() / 1e6:.2f}M parameters, "
-                f"{self.flops_per_token / 1e6:.1f} MFLOP/token | {self.total_steps} steps x "
-                f"{self.tokens_per_step} tokens | device {self.device} | precision "
+                f"{self.flops_per_token / 1e6:.1f} MFLOP/token | device {self.device} | precision "
                 f"{self.precision} ({self.precision_reason}) | MFU peak {self.peak_source}"
             )
             if t.init_from:  # the starting point, so that the log shows what fine-tuning gained

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from gptcore import atomic, train
 from gptcore import mfu as mfu_mod
 from gptcore.checkpoint import TRAILER_BYTES, load_checkpoint, save_checkpoint
-from gptcore.config import load_config
+from gptcore.config import load_config, run_budget
 from gptcore.errors import DivergedError, UserError
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at
@@ -419,6 +419,32 @@ def test_a_rerun_with_another_schedule_is_refused_unless_extended(tiny_data, tmp
     assert_user_error(
         run_cli("train", str(config), "--local", "--set", "train.max_steps=10"), "train.extend=true"
     )
+
+
+def test_a_run_length_set_on_the_command_line_clears_the_other_key(tiny_data, tmp_path, capsys):
+    """The shipped configs set train.max_tokens, which wins over train.max_steps: a --set of
+    either is what the user means, so it clears the other, and the first log line names it."""
+    path = tmp_path / "exp.toml"  # 128 tokens per step: max_tokens is 32 steps, max_steps 12
+    path.write_text(tiny_config_text(tiny_data, tmp_path / "run", max_tokens=4096))
+    assert run_budget(load_config(path)).total_steps == 32
+    capsys.readouterr()
+    steps = load_config(path, ["train.max_steps=3", "train.precision=fp32"])
+    assert (steps.train.max_steps, steps.train.max_tokens, run_budget(steps).total_steps) == (3, 0, 3)
+    assert f"--set train.max_steps=3 clears train.max_tokens=4096 (set in {path})" in capsys.readouterr().out
+    tokens = load_config(path, ["train.max_tokens=1024"])
+    assert (tokens.train.max_steps, run_budget(tokens).total_steps) == (0, 8)
+    assert "clears train.max_steps=12" in capsys.readouterr().out
+    # 0 clears nothing (the file's max_steps is then in force); both given is the user's choice.
+    assert run_budget(load_config(path, ["train.max_tokens=0"])).total_steps == 12
+    assert run_budget(load_config(path, ["train.max_tokens=0", "train.max_steps=5"])).total_steps == 5
+    with pytest.raises(UserError, match="both train.max_steps and train.max_tokens"):
+        load_config(path, ["train.max_tokens=1024", "train.max_steps=5"])
+    logs: list[str] = []
+    Trainer(steps, log=logs.append).fit()
+    assert logs[0] == "run length: 3 steps of 128 tokens (train.max_steps)", logs[0]
+    logs.clear()
+    Trainer(load_config(path, ["train.precision=fp32"]), log=logs.append).fit(stop_at_step=1)
+    assert logs[0] == "run length: 32 steps of 128 tokens (train.max_tokens=4,096; train.max_steps is unused)"
 
 
 def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_path, monkeypatch, request):
