@@ -18,6 +18,7 @@ import tomli_w
 import tomllib
 
 from gptcore.data import VOCAB_LIMIT
+from gptcore.device import check_device_name
 from gptcore.errors import UserError
 
 # Model presets. `minimind-26m` is the MiniMind recipe (llama blocks, GQA with 2 KV heads);
@@ -179,8 +180,7 @@ class TrainConfig:
                 f"multiple of train.eval_interval={self.eval_interval} (checkpoints "
                 "are taken at evaluations)"
             )
-        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
-            raise UserError(f"train.device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
+        check_device_name(self.device, "train.device")
         require_choice("train.precision", self.precision, PRECISIONS)
         require_choice("train.stage", self.stage, STAGES)
 

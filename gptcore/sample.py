@@ -17,11 +17,11 @@ import torch
 from tokenizers import Tokenizer
 
 from gptcore.checkpoint import load_checkpoint
+from gptcore.device import resolve_device
 from gptcore.errors import UserError
 from gptcore.lora import model_from_state
 from gptcore.model import GPT
 from gptcore.tokenizer import EOT, IM_END, file_sha256, load_tokenizer, render_chat, require_chat_tokens
-from gptcore.train import resolve_device
 
 Message = dict[str, str]
 
@@ -210,7 +210,7 @@ def sample_cli(
         interactive=interactive,
         ignore_eos=ignore_eos,
     )
-    model, state = load_model(checkpoint, resolve_device(device))
+    model, state = load_model(checkpoint, resolve_device(device, "--device"))
     tok, tok_path = checkpoint_tokenizer(state, tokenizer)
     if chat:
         require_chat_tokens(tok, tok_path)

@@ -37,6 +37,7 @@ from gptcore.chat_data import ChatData, open_prepared
 from gptcore.checkpoint import load_checkpoint
 from gptcore.config import ExperimentConfig, model_world_config, run_budget, run_length
 from gptcore.data import IGNORE_INDEX, TokenData
+from gptcore.device import resolve_device
 from gptcore.errors import DivergedError, UserError
 from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
 from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
@@ -47,18 +48,6 @@ from gptcore.tokenizer import load_tokenizer, token_byte_lengths
 SHAPE_KEYS = ("style", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_positions", "vocab_size")
 SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio", "decay_fraction")  # optim.*
 Report = Callable[[dict[str, float], dict[str, Any]], None]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"train.device={name!r} but CUDA is not available here; use cpu or auto")
-    return torch.device(name)
 
 
 BF16_MIN_SPEEDUP = 1.5  # auto on a CPU: bf16 when its matmul is at least this much faster than fp32

@@ -20,6 +20,7 @@ from gptcore import atomic, train
 from gptcore import mfu as mfu_mod
 from gptcore.checkpoint import TRAILER_BYTES, load_checkpoint, save_checkpoint
 from gptcore.config import load_config, run_budget
+from gptcore.device import resolve_device
 from gptcore.errors import DivergedError, UserError
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at
@@ -574,6 +575,39 @@ def test_cli_bad_config_is_one_line(tiny_data, tmp_path, overrides, needle):
     config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
     args = [a for o in overrides for a in ("--set", o)]
     assert_user_error(run_cli("train", str(config), "--local", *args), needle)
+
+
+def test_a_device_this_machine_lacks_is_one_line_naming_what_it_has(monkeypatch):
+    """As on a one-GPU Linux node: cuda:7 and mps are refused by name, with the devices here."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    for name in ("cuda:7", "mps"):
+        with pytest.raises(
+            UserError,
+            match=f"train.device '{name}' is not available on this machine, "
+            "which has cpu, cuda:0; use one of those, or auto",
+        ):
+            resolve_device(name)
+    assert [resolve_device(n) for n in ("auto", "cuda", "cuda:0", "cpu")] == [
+        torch.device(n) for n in ("cuda", "cuda", "cuda:0", "cpu")
+    ]
+    with pytest.raises(UserError, match="--device 'gpu' is not a device; use one of auto, cpu, cuda"):
+        resolve_device("gpu", "--device")
+
+
+def test_cli_bad_devices_are_one_line(tiny_data, pretrained, tmp_path):
+    config = tmp_path / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    assert_user_error(
+        run_cli("train", str(config), "--local", "--set", "train.device=cuda:99"),
+        "train.device 'cuda:99' is not available on this machine, which has cpu",
+    )
+    assert_user_error(
+        run_cli("train", str(config), "--local", "--set", "train.device=tpu"), "'tpu' is not a device"
+    )
+    assert_user_error(run_cli("sample", str(pretrained), "--device", "foo"), "--device 'foo' is not a device")
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_bad_checkpoints_are_one_line(tiny_data, tmp_path):
