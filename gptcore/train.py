@@ -8,8 +8,9 @@ checkpoint state goes.
 Determinism: every batch is a pure function of (seed, batch index, micro-step, rank), and so are
 the dropout masks (seeded per (seed, rank, batch index): different on every DDP rank), and the
 checkpoint carries the batch index and all RNG states, so a resumed run repeats the uninterrupted
-one exactly on CPU. Ctrl-C is held until the step in progress has finished, so an interrupt
-checkpoint is always taken between steps.
+one exactly on CPU. Ctrl-C is held until the step in progress (and its evaluation, when one is
+due) has finished, so an interrupt checkpoint is always taken between steps and after the
+evaluations up to its step.
 
 Clocks: `step` counts optimizer steps and is the lr schedule's position, so a rollback sets it
 back to the checkpoint's step. `tokens` (`tokens_seen`) counts the tokens of every applied step,
@@ -364,20 +365,22 @@ class Trainer:
         reported_step = -1
         window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
         while self.step < end:
+            # Ctrl-C waits for the step and its scheduled evaluation: a checkpoint taken between
+            # the two would resume after the step, and its evaluation would never be recorded.
             with hold_interrupts():
                 step_metrics = self.train_step()
-            window_steps += 1
-            window_data += step_metrics["data_seconds"]
-            reporting = self.step % t.eval_interval == 0 or self.step == self.total_steps
-            if self.step % t.log_interval == 0 or reporting:
-                elapsed = time.perf_counter() - window_start
-                metrics = self._throughput(step_metrics, elapsed, window_steps, window_data)
-                self._log_progress(metrics)
-                window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
-            if reporting and not step_metrics["skipped"]:
-                metrics = self._report(metrics, on_report)
-                reported_step = self.step
-                window_start = time.perf_counter()  # eval time is not training time
+                window_steps += 1
+                window_data += step_metrics["data_seconds"]
+                reporting = self.step % t.eval_interval == 0 or self.step == self.total_steps
+                if self.step % t.log_interval == 0 or reporting:
+                    elapsed = time.perf_counter() - window_start
+                    metrics = self._throughput(step_metrics, elapsed, window_steps, window_data)
+                    self._log_progress(metrics)
+                    window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
+                if reporting and not step_metrics["skipped"]:
+                    metrics = self._report(metrics, on_report)
+                    reported_step = self.step
+                    window_start = time.perf_counter()  # eval time is not training time
         if reported_step != self.step:  # stopped between evals: report and checkpoint here
             base = {"step": float(self.step), "tokens": float(self.tokens_seen)}
             metrics = self._report({**metrics, **base}, on_report, checkpoint=True)

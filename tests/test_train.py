@@ -448,9 +448,14 @@ def test_a_run_length_set_on_the_command_line_clears_the_other_key(tiny_data, tm
     assert logs[0] == "run length: 32 steps of 128 tokens (train.max_tokens=4,096; train.max_steps is unused)"
 
 
-def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_path, monkeypatch, request):
-    """SIGINT arrives inside step 6 (batch index moved, optimizer not yet stepped): the interrupt
-    checkpoint must still be taken between steps, so the resumed run equals the uninterrupted one."""
+@pytest.mark.parametrize("interrupted_step", [6, 4], ids=["between-evals", "at-an-eval"])
+def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(
+    tiny_data, tmp_path, monkeypatch, request, interrupted_step
+):
+    """SIGINT arrives inside a step (batch index moved, optimizer not yet stepped): the interrupt
+    checkpoint must still be taken between steps, so the resumed run equals the uninterrupted one,
+    and at an eval step (4, with eval_interval 4) after that step's evaluation, so that
+    metrics.jsonl has no hole where the run was interrupted."""
     # Python's own Ctrl-C handler, as in `gptrun train --local`: a Ray Train fit() run earlier in
     # this pytest process leaves its handler installed.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -459,24 +464,31 @@ def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_pat
     full = make_config(tiny_data, tmp_path, "model.dropout=0.1", f'train.out="{tmp_path / "full"}"')
     real_step, calls = AdamW.step, []
 
-    def interrupted_step(self, *args, **kwargs):
+    def interrupted_step_(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 6:
+        if len(calls) == interrupted_step:
             os.kill(os.getpid(), signal.SIGINT)
         return real_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(AdamW, "step", interrupted_step)
+    monkeypatch.setattr(AdamW, "step", interrupted_step_)
     with pytest.raises(KeyboardInterrupt):
         train_local(cfg)
     monkeypatch.setattr(AdamW, "step", real_step)
     last = tmp_path / "run" / "checkpoints" / "last.pt"
-    assert load_checkpoint(last)["step"] == 6 and load_checkpoint(last)["batch_index"] == 6
+    assert load_checkpoint(last)["step"] == interrupted_step
+    assert load_checkpoint(last)["batch_index"] == interrupted_step
     resumed, uninterrupted = train_local(cfg), train_local(full)
     assert resumed["val_loss"] == uninterrupted["val_loss"]
     a, b = (
         load_checkpoint(p / "checkpoints" / "last.pt")["model"] for p in (tmp_path / "run", tmp_path / "full")
     )
     assert all(torch.equal(a[k], b[k]) for k in a)
+    curves = [
+        [(r["step"], r["val_loss"]) for r in map(json.loads, (p / "metrics.jsonl").read_text().splitlines())]
+        for p in (tmp_path / "run", tmp_path / "full")
+    ]
+    assert [step for step, _ in curves[0]] == [4, 8, 12]
+    assert curves[0] == curves[1]
 
 
 def test_bits_per_byte_counts_the_bytes_of_the_evaluated_slice(tiny_data, tmp_path):
