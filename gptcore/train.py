@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from tokenizers import Tokenizer
 from torch import nn
 
 from gptcore.chat_data import ChatData, open_prepared
@@ -44,7 +45,7 @@ from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, 
 from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at, param_groups
-from gptcore.tokenizer import load_tokenizer, token_byte_lengths
+from gptcore.tokenizer import token_byte_lengths
 
 SHAPE_KEYS = ("style", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_positions", "vocab_size")
 SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio", "decay_fraction")  # optim.*
@@ -186,8 +187,9 @@ class Trainer:
             dist.broadcast_object_list(choice, src=0)
             self.precision, self.precision_reason = choice
         self.peak_flops, self.peak_source = device_peak_flops(self.device, self.precision)
+        self.tokenizer_json = self.data.tokenizer_text()  # every checkpoint carries its tokenizer
         # UTF-8 bytes of each token id, for bits per byte on exactly the tokens evaluated.
-        self.token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer(self.data.tokenizer_path))).to(
+        self.token_bytes = torch.from_numpy(token_byte_lengths(Tokenizer.from_str(self.tokenizer_json))).to(
             self.device
         )
         # Progress: a resume restores all of it; a rollback only the weights, optimizer and step.
@@ -463,6 +465,7 @@ class Trainer:
                 "rng": rng,
                 "config": self.cfg.to_dict(),
                 "tokenizer_sha256": self.data.tokenizer_sha256,
+                "tokenizer_json": self.tokenizer_json,
                 "metrics": dict(metrics or {}),
                 "world_size": self.world_size,
                 "precision": self.precision,  # informational: weights and optimizer are fp32
