@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import zipfile
 
@@ -378,6 +379,20 @@ def test_atomic_writes_are_fsynced_before_and_after_the_rename(tmp_path, monkeyp
         ("replace", inos["."]),
         ("fsync", folder_ino),
     ]
+
+
+def test_atomic_dir_gets_mkdir_permissions_without_setting_the_umask(tmp_path, monkeypatch):
+    """The umask is process-wide: setting it, even to read it, races every other thread's files."""
+    real_umask = os.umask
+    previous = real_umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", lambda _mask: pytest.fail("atomic_dir set the process umask"))
+        with atomic.atomic_dir(tmp_path / "d") as tmp:
+            (tmp / "f.txt").write_text("x")
+    finally:
+        real_umask(previous)
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o750  # what mkdir gives under 027
+    assert (tmp_path / "d" / "f.txt").read_text() == "x"
 
 
 def test_local_run_resumes_and_refuses_another_shape(tiny_data, tmp_path, capsys):
