@@ -104,6 +104,7 @@ def prepare(
         bar(docs(), desc="reading", unit=" docs"), val_fraction, tokenizer_sample_mb * 1e6
     )
     timings = {"read": time.perf_counter() - started}
+    docs = functools.partial(_documents, sources, len(in_val))
 
     if tok is None:
         tok = train_tokenizer(
@@ -207,12 +208,21 @@ def _up_to_date(out: Path, fingerprint: str) -> dict | None:
     return None
 
 
-def _documents(sources: list[Source]) -> Iterator[str]:
-    """All non-blank documents of all sources, in order (the index is the document's id)."""
+def _documents(sources: list[Source], count: int | None = None) -> Iterator[str]:
+    """All non-blank documents of all sources, in order (the index is the document's id).
+
+    Each pass over an input file ends with a check that the file is the one hashed, and passes
+    after the first give `count`, the first pass's document count: an input that changes while
+    prepare reads it is refused in one line that names it, before anything is written."""
+    seen = 0
     for source in sources:
         for doc in source.documents():
             if doc and not doc.isspace():
+                seen += 1
+                if count is not None and seen > count:
+                    raise source.changed()
                 yield doc
+        source.check_unchanged()
 
 
 def _split(
