@@ -72,22 +72,23 @@ def _prepare_command(sub: Subcommands) -> None:
         "--input", nargs="+", metavar="PATH", help=".txt, .jsonl, .parquet files or folders of them"
     )
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--vocab-size", type=int, default=6400, help="BPE vocabulary (default 6400)")
+    # None: not given (see PRETRAINING_ONLY).
+    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default 6400)")
     p.add_argument(
-        "--text-field", default="text", help="JSONL field / parquet column holding the text (default: text)"
+        "--text-field", default=None, help="JSONL field / parquet column holding the text (default: text)"
     )
     p.add_argument(
         "--val-fraction",
         type=float,
         default=None,
-        help="fraction of documents held out for validation (default: 1%% or enough "
-        "for ~300k tokens, whichever is more, capped at 10%%)",
+        help="fraction held out for validation (default: 1%% of the documents or enough for ~300k "
+        "tokens, whichever is more, capped at 10%%; with --sft 5%%: every 20th conversation)",
     )
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training")
     p.add_argument(
         "--errors",
         choices=("strict", "replace"),
-        default="strict",
+        default=None,
         help="what to do with bytes that are not UTF-8 (default: strict = stop)",
     )
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPUs)")
@@ -104,42 +105,53 @@ def _prepare_command(sub: Subcommands) -> None:
         action="store_true",
         help='conversations for SFT: chat .jsonl files ({"conversations": [{"role", "content"}, ...]} '
         "per line), or with --corpus shakespeare the built-in toy set; needs --tokenizer "
-        "(the pretraining data's tokenizer.json)",
+        "(the pretraining data's tokenizer.json); takes --val-fraction and --force",
     )
     p.set_defaults(handler=_prepare)
 
 
+# Options of pretraining data only, and why --sft refuses each (given alone, they keep the
+# defaults of gptcore.prepare.prepare).
+PRETRAINING_ONLY = {
+    "vocab_size": "the vocabulary is --tokenizer's",
+    "text_field": 'each line\'s conversation is its "conversations" field',
+    "errors": "chat .jsonl files must be UTF-8",
+    "workers": "the tokenizer's own threads encode conversations",
+    "tokenizer_sample_mb": "--sft trains no tokenizer",
+}
+
+
 def _prepare(args: argparse.Namespace) -> int:
     if args.sft:
-        from gptcore.chat_data import prepare_sft, sft_conversations
+        from gptcore.chat_data import prepare_sft
 
+        for dest, reason in PRETRAINING_ONLY.items():
+            if getattr(args, dest) is not None:
+                raise UserError(f"--{dest.replace('_', '-')} does not apply to --sft ({reason}); drop it")
         if not args.tokenizer:
             raise UserError(
                 "--sft needs --tokenizer: the tokenizer.json of the data the model was pretrained on"
             )
-        conversations, source = sft_conversations(args.input or [], args.corpus)
         prepare_sft(
-            conversations,
-            source=source,
+            args.input or [],
+            args.corpus,
             tokenizer=args.tokenizer,
             out=args.out,
             val_fraction=args.val_fraction,
+            force=args.force,
         )
         return 0
     from gptcore.prepare import prepare
 
+    given = {dest: getattr(args, dest) for dest in PRETRAINING_ONLY if getattr(args, dest) is not None}
     prepare(
         inputs=args.input or [],
         corpus=args.corpus,
         out=args.out,
-        vocab_size=args.vocab_size,
-        text_field=args.text_field,
         val_fraction=args.val_fraction,
         tokenizer=args.tokenizer,
         force=args.force,
-        errors=args.errors,
-        workers=args.workers,
-        tokenizer_sample_mb=args.tokenizer_sample_mb,
+        **given,
     )
     return 0
 

@@ -359,6 +359,8 @@ class Trainer:
                 f"{self.flops_per_token / 1e6:.1f} MFLOP/token | device {self.device} | precision "
                 f"{self.precision} ({self.precision_reason}) | MFU peak {self.peak_source}"
             )
+            if isinstance(self.data, ChatData):
+                self.log(self.data.beyond_windows(self.cfg.model.seq_len))
             if t.init_from:  # the starting point, so that the log shows what fine-tuning gained
                 self.log(
                     f"eval step 0 (weights of train.init_from) | val loss {self.evaluate()['val_loss']:.4f}"

@@ -343,7 +343,8 @@ def test_an_input_that_changes_between_passes_is_named_and_nothing_is_written(
             with open(corpus, "a", encoding="utf-8") as f:
                 f.write(EOT + "KING: One more document.")
         else:
-            corpus.write_text(corpus.read_text(encoding="utf-8").replace("king", "kings", 1), encoding="utf-8")
+            text = corpus.read_text(encoding="utf-8")
+            corpus.write_text(text.replace("king", "kings", 1), encoding="utf-8")
         return tok
 
     monkeypatch.setattr(prepare, "train_tokenizer", train_then_write)
