@@ -240,9 +240,9 @@ def _sample_command(sub: Subcommands) -> None:
         help="with --chat: read the user's turns from stdin, one per line, until EOF",
     )
     p.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
+        "--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint carries)"
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
     p.set_defaults(handler=_sample)
 
 
@@ -282,7 +282,7 @@ def _export_command(sub: Subcommands) -> None:
     )
     p.add_argument("--hf", required=True, metavar="DIR", help="the folder to write (must be new or empty)")
     p.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
+        "--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint carries)"
     )
     p.add_argument("--force", action="store_true", help="replace a non-empty --hf folder")
     p.set_defaults(handler=_export)
