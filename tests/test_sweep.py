@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_user_error, run_cli, study_trials, write_sweep_config
+from experiments.config import load_experiment
+from tests.conftest import REPO, assert_user_error, run_cli, study_trials, study_values, write_sweep_config
 
 pytestmark = pytest.mark.ray
 
@@ -213,6 +214,38 @@ def test_bad_sweep_configs_are_one_line(tiny_data, tmp_path, override, needle):
         "sweep", str(config), "--storage", str(tmp_path / "s"), "--set", override, env=env, timeout=120
     )
     assert_user_error(proc, needle)
+
+
+def test_a_sampled_value_the_config_refuses_fails_that_trial_with_its_reason(tiny_data, tmp_path):
+    """A sampled beta2 of 1.5 is refused by the config inside the trial: that trial reports its
+    reason and a bad score (COMPLETE in the study, where TPE learns from it) instead of a Tune
+    ERROR with a traceback; the others run, and the report's importances leave it out and say so."""
+    from experiments.results import load_trials
+    from experiments.train import diverged_loss
+
+    config = write_sweep_config(
+        tiny_data, tmp_path, n=4, max_steps=8, tail="beta2 = { choice = [0.95, 1.5] }\n"
+    )
+    storage = tmp_path / "sweeps"
+    proc = run_cli("sweep", str(config), "--name", "beta2", "--storage", str(storage), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    exp_dir = storage / "beta2"
+    trials = load_trials(exp_dir)
+    bad = [t for t in trials if t["config"]["optim.beta2"] == 1.5]
+    assert bad and len(bad) < len(trials), [t["config"] for t in trials]
+    for t in bad:
+        assert t["status"] == "error" and "beta2" in t["reason"], t
+        assert not (Path(t["path"]) / "error.txt").exists(), t["path"]  # not a Tune ERROR
+        assert f"trial {t['trial_id']} failed: " in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    study = study_values(f"sqlite:///{exp_dir / 'optuna.db'}", "beta2")
+    cfg = load_experiment(exp_dir / "gptrun.toml")
+    assert all(study[t["trial_id"]] == ("COMPLETE", diverged_loss(cfg), {}) for t in bad), study
+
+    report = run_cli("report", str(exp_dir), "--out", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
+    assert (tmp_path / "report" / "importance.png").is_file()
+    assert f"Importances leave out {len(bad)} finished trial(s)" in report.stdout
 
 
 @pytest.mark.slow
