@@ -53,9 +53,7 @@ def new_tuner(
         mode=MODE,  # not sort_by_metric: it crashes on a trial ended before its first report
     )
     callbacks = [
-        TrialEvents(
-            exp_dir, trial_tokens(cfg), parse_duration(cfg.sweep.budget) if cfg.sweep.budget else None
-        ),
+        TrialEvents(exp_dir, trial_tokens(cfg), tune_config.time_budget_s),  # confirm: no budget
         *tracking_callbacks(cfg, tracking_name or exp_dir.name, exp_dir),
     ]
     return tune.Tuner(

@@ -15,7 +15,7 @@ import pytest
 from experiments.config import load_experiment
 from experiments.confirm import compare, measure_noise, noise_line, print_noise, ranked_trials, verdict
 from experiments.results import load_trials
-from tests.conftest import assert_user_error, run_cli
+from tests.conftest import assert_user_error, run_cli, write_sweep_config
 
 
 def _trial(tid: str, status: str, loss: float, **config: Any) -> dict[str, Any]:
@@ -154,6 +154,33 @@ def test_print_noise_table(capsys: pytest.CaptureFixture[str]) -> None:
         "seed noise: std 0.2309 nats (pooled over the re-runs), 31% of the variance between the "
         "sweep's 4 completed trials (std 0.4163): near 100% their differences are mostly noise",
     ]
+
+
+def test_only_the_sweep_counts_its_budget(tiny_data: Path, tmp_path: Path) -> None:
+    """`sweep.budget` bounds the sweep, not its confirm: the trial-events callback of a confirm
+    run has no budget clock (with the sweep's, a confirm that outlasted it would announce its
+    interrupted re-runs as "cut by the sweep budget"). No Ray: the Tuners are built, not run."""
+    from ray import tune
+
+    from experiments.confirm import Candidates
+    from experiments.events import TrialEvents
+    from experiments.space import parse_space
+    from experiments.tuner import new_tuner
+
+    cfg = load_experiment(
+        write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8, sweep_keys='budget = "1m"')
+    )
+    (tmp_path / "sweep").mkdir()
+    sweep = new_tuner(cfg, parse_space(cfg), tmp_path / "sweep", 1)
+    grid = {"candidate": tune.grid_search(["a"]), "train.seed": tune.grid_search([1, 2])}
+    confirm = new_tuner(
+        cfg, Candidates({"a": {}}), tmp_path / "confirm", 1, tune_config=tune.TuneConfig(), param_space=grid
+    )
+
+    def events(tuner: Any) -> TrialEvents:  # Ray keeps the RunConfig on its local TunerInternal
+        return next(c for c in tuner._local_tuner.get_run_config().callbacks if isinstance(c, TrialEvents))
+
+    assert (events(sweep).budget_s, events(confirm).budget_s) == (60.0, None)
 
 
 def _confirm_trial_dirs(exp_dir: Path) -> list[Path]:
