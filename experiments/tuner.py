@@ -10,7 +10,7 @@ from typing import Any
 
 from experiments.budget import grace_tokens, is_lean, startup_trials, trial_resources, trial_tokens
 from experiments.config import RayExperiment, parse_duration
-from experiments.experiment import RUNS_DIR, study_url
+from experiments.experiment import RUNS_DIR, study_url, trial_dirname
 from experiments.space import Space
 from experiments.trial import METRIC, MODE, run_trial
 from gptcore.errors import UserError
@@ -71,11 +71,6 @@ def new_tuner(
             failure_config=tune.FailureConfig(max_failures=1),
         ),
     )
-
-
-def trial_dirname(trial: Any) -> str:
-    """`trial_<id>`: Tune's default folder name spells out every sampled value."""
-    return f"trial_{trial.trial_id}"
 
 
 def restore_tuner(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:

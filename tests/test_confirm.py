@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
+from scipy.stats import t as student_t
 
 from experiments.config import load_experiment
-from experiments.confirm import compare, measure_noise, noise_line, print_noise, ranked_trials, verdict
+from experiments.confirm import ranked_trials
+from experiments.noise import compare, measure_noise, noise_line, print_noise, verdict
 from experiments.results import load_trials
 from tests.conftest import assert_user_error, run_cli, write_sweep_config
 
@@ -198,9 +201,20 @@ def test_sweep_reruns_its_best_configs_with_new_seeds(finished_sweep: Path) -> N
         assert row["seeds"] == [sweep_seed + 1, sweep_seed + 2]
         assert len(row["losses"]) == 2 and all(math.isfinite(x) for x in row["losses"])
     assert rows[0]["mean"] <= rows[1]["mean"]  # ranked by the mean over new seeds
-    cmp = noise["comparison"]
-    assert (cmp["best"], cmp["runner_up"]) == (rows[0]["trial_id"], rows[1]["trial_id"])
-    assert 0.0 <= cmp["p_value"] <= 1.0 and cmp["separated"] == (cmp["p_value"] < 0.05)
+    # Welch's test worked out from the stored losses: t, the Welch-Satterthwaite degrees of
+    # freedom, the two-sided p (the statistics are checked on hand-made inputs above).
+    best, runner_up = rows[0]["losses"], rows[1]["losses"]
+    va, vb = statistics.variance(best) / len(best), statistics.variance(runner_up) / len(runner_up)
+    difference = statistics.fmean(runner_up) - statistics.fmean(best)
+    dof = (va + vb) ** 2 / (va**2 / (len(best) - 1) + vb**2 / (len(runner_up) - 1))
+    p = 2 * student_t.sf(abs(difference) / math.sqrt(va + vb), dof)
+    assert noise["comparison"] == {
+        "best": rows[0]["trial_id"],
+        "runner_up": rows[1]["trial_id"],
+        "difference": pytest.approx(difference),
+        "p_value": pytest.approx(p),
+        "separated": bool(p < 0.05),
+    }
     completed = [t for t in load_trials(finished_sweep) if t["status"] == "completed"]
     assert noise["sweep_completed"] == len(completed)  # the figures are tested by hand above
 
