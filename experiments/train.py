@@ -25,10 +25,9 @@ from experiments.cluster import (
     require_resources,
     verify_shared_storage,
 )
-from experiments.config import RayExperiment, experiment_from_dict
-from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, resolve_checkpoint_path, save_checkpoint
+from experiments.config import RayExperiment, checked_for_workers, experiment_from_dict
+from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from gptcore.errors import DivergedError, UserError
-from gptcore.train import open_data
 
 
 def worker_loop(loop_config: dict[str, Any]) -> dict[str, str]:
@@ -167,19 +166,6 @@ def build_trainer(
             ),
         ),
     )
-
-
-def checked_for_workers(cfg: RayExperiment) -> RayExperiment:
-    """Check the data and `train.init_from` in the driver (a bad input would otherwise fail every
-    worker restart) and make their paths absolute, since workers do not share the driver's
-    working directory."""
-    open_data(cfg)
-    raw = cfg.to_dict()
-    raw["data"]["dir"] = str(Path(cfg.data.dir).expanduser().resolve())
-    if cfg.train.init_from:
-        raw["train"]["init_from"] = str(resolve_checkpoint_path(cfg.train.init_from).resolve())
-        load_checkpoint(raw["train"]["init_from"])  # exists and is intact
-    return experiment_from_dict(raw)
 
 
 def error_chain(err: BaseException) -> list[BaseException]:
