@@ -19,6 +19,7 @@ from typing import Any
 
 from experiments.budget import is_lean, trial_tokens
 from experiments.config import RayExperiment, experiment_from_dict
+from experiments.private_api import in_tune_session
 from experiments.space import apply_overrides
 from experiments.train import build_trainer, checkpoint_reporter, diverged_loss, resume, root_message
 from gptcore.errors import DivergedError
@@ -36,9 +37,7 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], runs_storage: str) -
         cfg = apply_overrides(cfg, base["space"].overrides(config))
         outcome = train_here(cfg) if is_lean(cfg) else train_ddp(cfg, runs_storage)
     except Exception as err:  # recorded with its reason; never crashes the sweep
-        from ray.tune.trainable.trainable_fn_utils import _in_tune_session
-
-        if not _in_tune_session():  # ASHA or the budget stopped it, aborting its DDP run: no error
+        if not in_tune_session():  # ASHA or the budget stopped it, aborting its DDP run: no error
             return
         tune.report(
             {
