@@ -193,13 +193,34 @@ def root_message(err: BaseException) -> str:
     return (lines[-1] if lines else type(cause).__name__)[:300]
 
 
+RAY_RUNS = "runs/ray"  # Ray runs' default --storage: apart from `--local` runs (train.out, runs/NAME)
+
+
+def ray_run_folder(out: str | None, storage: str | None, name: str | None) -> tuple[str | None, str | None]:
+    """`--storage` and `--name` of a Ray run, from `--out` when it is given: the run's folder
+    itself (its parent is the storage, its last part the name), as `--out` is for `--local`."""
+    if out is None:
+        return storage, name
+    if storage or name:
+        raise UserError(
+            f"--out {out} names the run folder; give either --out, or --storage and --name "
+            "(the run folder is STORAGE/NAME)"
+        )
+    parent, _, leaf = (
+        (out if "://" in out else str(Path(out).expanduser().resolve())).rstrip("/").rpartition("/")
+    )
+    if not leaf or not parent or parent.endswith(":/"):
+        raise UserError(f"--out {out}: give a folder inside a storage path or URI, e.g. runs/ray/NAME")
+    return parent, leaf
+
+
 def train_on_ray(
     cfg: RayExperiment, *, address: str | None, storage: str | None, name: str | None, max_failures: int
 ) -> int:
     import ray
 
     cfg = checked_for_workers(cfg)
-    storage = check_storage(storage, "runs")
+    storage = check_storage(storage, RAY_RUNS)
     name = name or cfg.name
     if max_failures < -1:
         raise UserError(f"--max-failures={max_failures} must be >= -1 (-1 retries forever)")
