@@ -124,7 +124,8 @@ def test_sweep_completes_and_asha_stops_some_trials(finished_sweep):
     assert baseline, [t["config"] for t in trials]
     assert_asha_stops_pruned(trials, study_rows(finished_sweep))
     # Each trial ran on this machine's node, and its fixed cost was measured.
-    assert {len(t["node_id"]) for t in trials} == {56}, [t["node_id"] for t in trials]
+    nodes = {t["node_id"] for t in trials}
+    assert len(nodes) == 1 and bytes.fromhex(nodes.pop()), [t["node_id"] for t in trials]
     assert all(0 <= t["startup_s"] < 120 for t in trials), [t["startup_s"] for t in trials]
 
 
@@ -309,7 +310,7 @@ def test_bad_sweep_configs_are_one_line(tiny_data, tmp_path, override, needle):
 def test_a_sampled_value_the_config_refuses_fails_that_trial_with_its_reason(tiny_data, tmp_path):
     """A sampled beta2 of 1.5 is refused by the config inside the trial: that trial reports its
     reason and a bad score (COMPLETE in the study, where TPE learns from it) instead of a Tune
-    ERROR with a traceback; the others run, and the report's importances leave it out and say so."""
+    ERROR with a traceback; the others run, and the report compares them without it."""
     from experiments.results import load_trials
     from experiments.train import diverged_loss
 
@@ -334,17 +335,19 @@ def test_a_sampled_value_the_config_refuses_fails_that_trial_with_its_reason(tin
 
     report = run_cli("report", str(exp_dir), "--out", str(tmp_path / "report"))
     assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
-    assert (tmp_path / "report" / "importance.png").is_file()
-    assert f"Importances leave out {len(bad)} finished trial(s)" in report.stdout
+    compared = len(trials) - len(bad)  # the failed trials have no loss to compare
+    assert f"(the largest budget all reached): {compared} trials\n" in report.stdout, report.stdout
 
 
 @pytest.mark.slow
 def test_ddp_trial_stopped_by_asha_is_not_an_error(tiny_data, tmp_path):
     """ASHA stopping a 2-worker trial aborts its Ray Train run inside the Tune trial: that is a
-    stop, not a failure to report (no `report ... outside a Tuner` warning, no error status)."""
+    stop, not a failure to report (no `report ... outside a Tuner` warning, no error status).
+    One trial at a time, on any number of cores: the second meets ASHA's rung after the first
+    (the baseline) and, worse there, is stopped."""
     from experiments.results import load_trials
 
-    config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=16)
+    config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=16, sweep_keys="max_concurrent = 1")
     storage = tmp_path / "sweeps"
     proc = run_cli(
         "sweep", str(config), "--name", "ddp", "--storage", str(storage), "--set", "resources.workers=2",
