@@ -247,7 +247,8 @@ def test_report_shows_the_noise(finished_sweep: Path, tmp_path: Path) -> None:
     image = imread(tmp_path / "noise.png")
     assert image.shape[0] >= 300 and image.shape[1] >= 400
     page = (tmp_path / "report.html").read_text()
-    assert "src='noise.png'" in page and "Seed noise: std" in page
+    assert "<img src='data:image/png;base64," in page and "alt='noise'" in page  # noise.png, inline
+    assert "Seed noise: std" in page
     assert "has not been measured" not in page
 
 
