@@ -33,11 +33,10 @@ from ray.tune.stopper import Stopper
 
 from experiments.budget import concurrency, trial_tokens
 from experiments.cluster import local_resources, ray_session
-from experiments.config import RayExperiment, load_experiment
+from experiments.config import RayExperiment, checked_for_workers, load_experiment
 from experiments.experiment import start_experiment
 from experiments.results import load_analysis, load_trials
 from experiments.space import Space, apply_overrides, parse_space
-from experiments.train import checked_for_workers
 from experiments.tuner import new_tuner, search_config
 
 GRID = {

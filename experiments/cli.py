@@ -166,7 +166,12 @@ def _train_command(sub: Subcommands) -> None:
     )
     p.add_argument("config", help="experiment TOML, e.g. experiments/configs/quickstart.toml")
     p.add_argument("--data", default=None, help="prepared data folder (overrides data.dir)")
-    p.add_argument("--out", default=None, help="run folder (overrides train.out)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="run folder: with --local it overrides train.out; on Ray it is the run's folder "
+        "(instead of --storage/--name, default runs/ray/NAME)",
+    )
     p.add_argument("--local", action="store_true", help="train in this process, without Ray")
     p.add_argument("--workers", type=int, default=None, help="DDP workers (resources.workers)")
     p.add_argument("--gpus-per-worker", type=float, default=None)
@@ -204,11 +209,10 @@ def _train(args: argparse.Namespace) -> int:
 
         train_local(cfg)
         return 0
-    from experiments.train import train_on_ray
+    from experiments.train import ray_run_folder, train_on_ray
 
-    return train_on_ray(
-        cfg, address=args.address, storage=args.storage, name=args.name, max_failures=args.max_failures
-    )
+    storage, name = ray_run_folder(args.out, args.storage, args.name)
+    return train_on_ray(cfg, address=args.address, storage=storage, name=name, max_failures=args.max_failures)
 
 
 def _sample_command(sub: Subcommands) -> None:

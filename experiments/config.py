@@ -110,3 +110,20 @@ def load_experiment(
 
 def experiment_from_dict(raw: dict[str, Any]) -> RayExperiment:
     return config_from_dict(raw, RayExperiment)
+
+
+def checked_for_workers(cfg: RayExperiment) -> RayExperiment:
+    """Check the data and `train.init_from` in the driver (a bad input would otherwise fail every
+    worker restart, or every trial) and make their paths absolute, since workers do not share the
+    driver's working directory. `gptrun train` on Ray and `gptrun sweep` / `resume` call it
+    before Ray starts."""
+    from gptcore.checkpoint import load_checkpoint, resolve_checkpoint_path
+    from gptcore.train import open_data
+
+    open_data(cfg)
+    raw = cfg.to_dict()
+    raw["data"]["dir"] = str(Path(cfg.data.dir).expanduser().resolve())
+    if cfg.train.init_from:
+        raw["train"]["init_from"] = str(resolve_checkpoint_path(cfg.train.init_from).resolve())
+        load_checkpoint(raw["train"]["init_from"])  # exists and is intact
+    return experiment_from_dict(raw)

@@ -25,7 +25,7 @@ from experiments.cluster import (
     require_resources,
     verify_shared_storage,
 )
-from experiments.config import RayExperiment, load_experiment
+from experiments.config import RayExperiment, checked_for_workers, load_experiment
 from experiments.experiment import (
     BEST_FILE,
     load_base,
@@ -35,7 +35,6 @@ from experiments.experiment import (
 from experiments.results import best_config, load_trials, print_table, print_trial_costs
 from experiments.space import Space, parse_space
 from experiments.storage import shown_url
-from experiments.train import checked_for_workers
 from experiments.tuner import new_tuner, restore_tuner, tracking_callbacks
 from gptcore.atomic import write_text_atomic
 from gptcore.errors import UserError

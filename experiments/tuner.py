@@ -10,7 +10,7 @@ from typing import Any
 
 from experiments.budget import grace_tokens, is_lean, startup_trials, trial_resources, trial_tokens
 from experiments.config import RayExperiment, parse_duration
-from experiments.experiment import RUNS_DIR, study_url
+from experiments.experiment import RUNS_DIR, study_url, trial_dirname
 from experiments.space import Space
 from experiments.trial import METRIC, MODE, run_trial
 from gptcore.errors import UserError
@@ -53,9 +53,7 @@ def new_tuner(
         mode=MODE,  # not sort_by_metric: it crashes on a trial ended before its first report
     )
     callbacks = [
-        TrialEvents(
-            exp_dir, trial_tokens(cfg), parse_duration(cfg.sweep.budget) if cfg.sweep.budget else None
-        ),
+        TrialEvents(exp_dir, trial_tokens(cfg), tune_config.time_budget_s),  # confirm: no budget
         *tracking_callbacks(cfg, tracking_name or exp_dir.name, exp_dir),
     ]
     return tune.Tuner(
@@ -73,11 +71,6 @@ def new_tuner(
             failure_config=tune.FailureConfig(max_failures=1),
         ),
     )
-
-
-def trial_dirname(trial: Any) -> str:
-    """`trial_<id>`: Tune's default folder name spells out every sampled value."""
-    return f"trial_{trial.trial_id}"
 
 
 def restore_tuner(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:

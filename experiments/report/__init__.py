@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from experiments.config import load_experiment
-from experiments.confirm import print_noise
 from experiments.experiment import STUDY_FILE, study_url
+from experiments.noise import print_noise
 from experiments.report.common import analysis_study, common_budget
 from experiments.report.data import best_trial, read_noise, trial_rows, write, write_tables
 from experiments.report.importance import importances

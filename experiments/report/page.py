@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.config import RayExperiment
-from experiments.confirm import noise_line, verdict
+from experiments.noise import noise_line, verdict
 from experiments.report import interactive
 from experiments.report.common import CommonBudget
 from experiments.report.importance import Importances
