@@ -106,9 +106,11 @@ def test_a_different_space_is_refused_naming_what_differs(tiny_data, tmp_path):
     base = sweep_config(tiny_data, tmp_path)
     source_sweep(base, tmp_path / "sweeps" / "old", n=3)
     cases = [
-        ("sweep.space.lr={ loguniform = [1e-4, 0.3] }", "optim.lr loguniform [0.0001, 0.3] here, loguniform [1e-05, 0.3] in"),
+        ("sweep.space.lr={ loguniform = [1e-4, 0.3] }", "optim.lr loguniform [0.0001, 0.3] here, "
+         "loguniform [1e-05, 0.3] in"),
         ("sweep.space.beta2=0.99", "optim.beta2 fixed to 0.99 here, not in the space in"),
-        ("sweep.space.weight_decay={ loguniform = [1e-3, 0.3] }", "optim.weight_decay loguniform [0.001, 0.3] here, loguniform [0.001, 0.3] or 0 in"),
+        ("sweep.space.weight_decay={ loguniform = [1e-3, 0.3] }", "optim.weight_decay loguniform "
+         "[0.001, 0.3] here, loguniform [0.001, 0.3] or 0 in"),
     ]  # fmt: skip
     for override, needle in cases:
         cfg = apply_overrides(
@@ -148,7 +150,8 @@ def test_cli_refuses_a_different_space_before_ray_starts(tiny_data, tmp_path):
     source_sweep(base, tmp_path / "sweeps" / "old", n=3)
     proc = run_cli(
         "sweep", str(tmp_path / "sweep.toml"), "--storage", str(tmp_path / "sweeps"),
-        "--warm-start", str(tmp_path / "sweeps" / "old"), "--set", "sweep.space.warmup={ uniform = [0.0, 0.5] }",
+        "--warm-start", str(tmp_path / "sweeps" / "old"),
+        "--set", "sweep.space.warmup={ uniform = [0.0, 0.5] }",
         timeout=120,
     )  # fmt: skip
     assert_user_error(proc, "optim.warmup uniform [0, 0.5] here, uniform [0, 0.3] in", "same [sweep.space]")
