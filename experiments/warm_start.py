@@ -116,6 +116,24 @@ def history_trials(url: str, name: str) -> list[Any]:
     return [t for t in study.get_trials(deepcopy=False) if WARM_FROM in t.user_attrs]
 
 
+def report_history(cfg: RayExperiment, exp_dir: Path) -> tuple[list[Any], str]:
+    """A sweep's warm-start history for its report: the copied trials, and one line about them
+    ('' for a sweep that was not warm-started)."""
+    if not cfg.sweep.warm_start:
+        return [], ""
+    try:
+        trials = history_trials(study_url(cfg, exp_dir), exp_dir.name)
+    except (KeyError, UserError) as err:  # no study yet, or its server is down
+        return [], f"warm start from {cfg.sweep.warm_start}: its trials could not be read ({err})"
+    if not trials:
+        return [], ""
+    sources = ", ".join(sorted({str(t.user_attrs[WARM_FROM]) for t in trials}))
+    return trials, (
+        f"warm start: {describe(trials, sources)} began this sweep's study: TPE learned from them "
+        "before its first trial; they are not in the trial table"
+    )
+
+
 def _find(value: str, storage_dir: Path, cfg: RayExperiment) -> _Source:
     """An experiment folder (as given, or in the storage folder), else a study of this name in
     the sweep's database."""
@@ -171,11 +189,19 @@ def _copy(trial: Any, source: str) -> Any:
     )
 
 
-def _note(cfg: RayExperiment, source: _Source, finished: list[Any]) -> str:
+def describe(trials: list[Any], source: str) -> str:
+    """'N trials of SOURCE (C completed, P stopped early; best val loss X)'."""
     import optuna
 
-    pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in finished)
-    best = min(t.value for t in finished if t.value is not None)
+    pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in trials)
+    best = min(t.value for t in trials if t.value is not None)
+    return (
+        f"{len(trials)} trials of {source} ({len(trials) - pruned} completed, {pruned} stopped early; "
+        f"best val loss {best:.4f})"
+    )
+
+
+def _note(cfg: RayExperiment, source: _Source, finished: list[Any]) -> str:
     startup = startup_trials(cfg.sweep.num_samples)
     start = (
         "TPE draws from its model from the first trial"
@@ -188,10 +214,7 @@ def _note(cfg: RayExperiment, source: _Source, finished: list[Any]) -> str:
         if source.trial_tokens and source.trial_tokens != tokens
         else ""
     )
-    return (
-        f"warm start: {len(finished)} trials of {source.label} ({len(finished) - pruned} completed, "
-        f"{pruned} stopped early; best val loss {best:.4f}): {start}{budget}"
-    )
+    return f"warm start: {describe(finished, source.label)}: {start}{budget}"
 
 
 def _entry(record: dict[str, Any], key: str) -> tuple[str, Any]:

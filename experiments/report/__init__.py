@@ -12,11 +12,12 @@ from experiments.config import load_experiment
 from experiments.confirm import print_noise
 from experiments.experiment import STUDY_FILE, study_url
 from experiments.report.data import best_trial, read_noise, trial_rows, write, write_tables
-from experiments.report.page import baseline_note, html_page, noise_html
+from experiments.report.page import baseline_note, html_page, noise_html, warm_start_html
 from experiments.report.plots import draw_importance, draw_noise, draw_sweep, figure_factory
 from experiments.results import best_config, load_curves, load_trials, print_table
 from experiments.space import parse_space
 from experiments.storage import dashboard_command
+from experiments.warm_start import report_history
 
 
 def report_cli(experiment_dir: str, out: str | None) -> int:
@@ -55,7 +56,11 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     if noise is not None:
         print_noise(noise)
         draw_noise(figure, noise, out_dir)
+    history, history_line = report_history(cfg, exp_dir)
+    if history_line:
+        print(history_line)
     section = baseline_note(cfg, space, trials) + noise_html(noise, exp_dir)
+    section += warm_start_html(history, history_line)
     page = html_page(exp_dir, trials, rows, best, importance, section)
     write(out_dir / "report.html", lambda tmp: tmp.write_text(page, encoding="utf-8"))
     print(f"report: {(out_dir / 'report.html').resolve()}")

@@ -96,6 +96,28 @@ def baseline_note(cfg: RayExperiment, space: Space, trials: list[dict[str, Any]]
     return f"<p>{same} trial(s) ran with the baseline config ({values}).</p>"
 
 
+def warm_start_html(history: list[Any], line: str) -> str:
+    """The warm-start section: the earlier sweep's trials that this sweep's TPE started from
+    (optuna FrozenTrials), best first; nothing for a sweep that was not warm-started."""
+    if not line:
+        return ""
+    from experiments.results import short_params
+    from experiments.warm_start import WARM_FROM, WARM_TRIAL
+
+    rows = "".join(
+        f"<tr><td>{escape(str(t.user_attrs[WARM_FROM]))}</td><td>{escape(str(t.user_attrs[WARM_TRIAL]))}"
+        f"</td><td>{'completed' if t.state.name == 'COMPLETE' else 'stopped early'}</td>"
+        f"<td>{_cell(t.value)}</td><td>{max(t.intermediate_values, default=0):,}</td>"
+        f"<td>{escape(', '.join(f'{k}={_cell(v)}' for k, v in short_params(t.params).items()))}</td></tr>"
+        for t in sorted(history, key=lambda t: t.value)
+    )
+    return (
+        f"<h2>Warm start</h2><p>{escape(line)}. The importances count them too.</p>"
+        "<table><tr><th>from</th><th>trial</th><th>status</th><th>val loss</th><th>tokens</th>"
+        f"<th>values</th></tr>{rows}</table>"
+    )
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return "-" if math.isnan(value) else f"{value:.4g}"
