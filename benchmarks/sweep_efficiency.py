@@ -16,10 +16,14 @@ Every method gets the training tokens of `--trials` full trials:
   previous seed at the same K (seed 0 from the last seed's, run after the other seeds): every
   COMPLETE and PRUNED trial of that sweep, with losses measured under that seed's training seed.
 The TPE methods start trials until a Tune Stopper sees the token budget used up; ASHA (reduction
-factor 3) stops most of them early. The task is the quickstart recipe shrunk (2 layers, d 64,
-seq 64); at K trials at a time each trial gets CPUs/K (one torch thread), so K = 8 on 2 cores runs
-8 trial processes at 0.25 CPU each. Seed k sets the searcher's seed and the training seed (init,
-data order) of every trial, so the spread of a method's best loss over seeds includes both.
+factor 3) stops most of them early. Grid and random search run at the first K only: they do not
+adapt, so each of their trials trains the same config with the same seed at any K (one torch
+thread per trial either way), and the later K's tables compare against those runs.
+
+The task is the quickstart recipe shrunk (2 layers, d 64, seq 64); at K trials at a time each
+trial gets CPUs/K (one torch thread), so K = 8 on 2 cores runs 8 trial processes at 0.25 CPU
+each. Seed k sets the searcher's seed and the training seed (init, data order) of every trial, so
+the spread of a method's best loss over seeds includes both.
 
 Printed per K: best val loss mean +- std per method, its gap to random with Welch's p-value (the
 test `gptrun confirm` uses), trials, tokens, wall-clock and utilization; and for the warm start,
@@ -108,6 +112,7 @@ TPE = {
     "warm-tpe+asha": {},  # and sweep.warm_start, set per run
 }
 METHODS = ("grid", "random", "plain-tpe+asha", "tpe+asha", "warm-tpe+asha")
+NON_ADAPTIVE = ("grid", "random")  # full trials of fixed configs: the same losses at any K
 
 
 def at_concurrency(base: RayExperiment, k: int, seed: int) -> RayExperiment:
@@ -257,11 +262,19 @@ def main() -> None:
         flush=True,
     )
     started = time.perf_counter()
+    shared: dict[str, list[dict]] = {}  # grid and random, run at the first K only
     with ray_session(), tempfile.TemporaryDirectory() as folder:
         for k in levels:
             root = Path(folder) / f"k{k}"
-            runs = run_level(k, base, space, names, args.seeds, root)
-            summarize(k, runs, budget)
+            runs = run_level(k, base, space, [n for n in names if n not in shared], args.seeds, root)
+            if shared:
+                print(
+                    f"{' and '.join(shared)} at K={k}: the K={levels[0]} runs (they do not adapt: each "
+                    "of their trials trains the same config, seed and steps at any K; wall-clock and "
+                    f"utilization are K={levels[0]}'s)"
+                )
+            shared = {**{n: runs[n] for n in NON_ADAPTIVE if n in runs}, **shared}
+            summarize(k, {**{n: shared[n] for n in names if n in shared}, **runs}, budget)
     print(f"all done in {(time.perf_counter() - started) / 60:.1f} min; {load()}")
 
 
