@@ -327,6 +327,12 @@ def summarize(k: int, runs: dict[str, list[dict]], budget: int) -> None:
             f"{statistics.fmean(r['wall'] for r in rs):7.0f}  "
             f"{statistics.fmean(r['utilization'] for r in rs):11.1%}"
         )
+    if "plain-tpe+asha" in rows and "tpe+asha" in rows:
+        cmp = compare([rows["tpe+asha"], rows["plain-tpe+asha"]])
+        print(
+            f"tpe+asha vs plain-tpe+asha: {rows['tpe+asha']['mean'] - rows['plain-tpe+asha']['mean']:+.4f}"
+            f" nats, Welch p {cmp['p_value']:.3g}"
+        )
     if "warm-tpe+asha" in runs and "tpe+asha" in runs:
         cold, warm = runs["tpe+asha"], runs["warm-tpe+asha"]
         found = [tokens_to(c["best"], c["progress"]) / budget for c in cold]
