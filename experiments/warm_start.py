@@ -66,7 +66,13 @@ def load_history(cfg: RayExperiment, space: Space, storage_dir: Path) -> History
             "warm-start only from a sweep with the same [sweep.space]"
         )
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=source.study, storage=rdb_storage(source.url))
+    try:
+        study = optuna.load_study(study_name=source.study, storage=rdb_storage(source.url))
+    except KeyError:  # a renamed folder: its study keeps the name it was created with
+        raise UserError(
+            f"sweep.warm_start: {shown_url(source.url)} holds no study named {source.study!r} "
+            "(was the folder renamed?); warm-start from the folder under its sweep's name"
+        ) from None
     finished = study.get_trials(
         deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     )

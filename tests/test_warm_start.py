@@ -130,6 +130,11 @@ def test_unknown_and_empty_sources_are_one_line(tiny_data, tmp_path):
     cfg = apply_overrides(base, {"sweep.warm_start": "empty"})
     with pytest.raises(UserError, match="has no Optuna study"):
         load_history(cfg, parse_space(cfg), tmp_path / "sweeps")
+    source_sweep(base, tmp_path / "sweeps" / "old", n=1)
+    (tmp_path / "sweeps" / "old").rename(tmp_path / "sweeps" / "renamed")
+    cfg = apply_overrides(base, {"sweep.warm_start": "renamed"})
+    with pytest.raises(UserError, match="holds no study named 'renamed' \\(was the folder renamed"):
+        load_history(cfg, parse_space(cfg), tmp_path / "sweeps")
 
 
 def test_tpe_options_and_no_experimental_warning(tiny_data, tmp_path):
