@@ -29,7 +29,7 @@ from experiments.cluster import (
     local_resources,
     verify_shared_storage,
 )
-from experiments.config import RayExperiment, load_experiment
+from experiments.config import RayExperiment, checked_for_workers, load_experiment
 from experiments.experiment import (
     BEST_FILE,
     STUDY_FILE,
@@ -44,8 +44,8 @@ from experiments.experiment import (
 from experiments.results import best_config, load_trials, print_table, print_trial_costs
 from experiments.space import Space, parse_space
 from experiments.storage import shown_url
-from experiments.train import checked_for_workers
 from experiments.tuner import new_tuner, restore_tuner, tracking_callbacks
+from experiments.warm_start import History, load_history
 from gptcore.errors import UserError
 
 
@@ -59,6 +59,7 @@ class SweepPlan:
     restart: bool = False
     uri: str | None = None  # the experiment in object storage
     replace_study: bool = False  # --restart may delete a study this folder did not create
+    history: History | None = None  # a new sweep's warm start, loaded and checked
 
     @property
     def location(self) -> str:
@@ -81,7 +82,8 @@ def plan_sweep(
     replace_study: bool = False,
 ) -> SweepPlan:
     """Every check that needs no cluster: config, space, baseline, trackers, storage (a bucket
-    that exists), folder, study. `address` is already resolved (`--address` or $RAY_ADDRESS)."""
+    that exists), folder, study, and the warm-start history (read now: a different space is
+    refused before Ray starts). `address` is already resolved (`--address` or $RAY_ADDRESS)."""
     from experiments.study import check_new_study
 
     cfg = checked_for_workers(load_experiment(config, overrides))
@@ -103,12 +105,13 @@ def plan_sweep(
             f"experiment {shown} exists; continue it with `gptrun resume {shown}` or start over "
             "with --restart"
         )
+    history = load_history(cfg, space, exp_dir.parent)  # a URI's: the local working copies
     if cfg.sweep.storage_url:
         owner = saved_meta(exp_dir, uri) if exists else {}
         check_new_study(cfg.sweep.storage_url, name, restart=restart, replace=replace_study, owner=owner)
     if address is None:  # a local instance: no need to start Ray to know it is too small
         check_fits(*trial_footprint(cfg), "one trial", local_resources(local_extra_cpus(cfg)))
-    return SweepPlan(cfg, space, exp_dir, restart, uri, replace_study)
+    return SweepPlan(cfg, space, exp_dir, restart, uri, replace_study, history)
 
 
 def run_sweep(plan: SweepPlan) -> int:
@@ -136,7 +139,9 @@ def run_sweep(plan: SweepPlan) -> int:
             f"{shown_url(study_url(cfg, exp_dir))}",
             flush=True,
         )
-        new_tuner(cfg, plan.space, exp_dir, width).fit()
+        if plan.history:
+            print(plan.history.note, flush=True)
+        new_tuner(cfg, plan.space, exp_dir, width, history=plan.history).fit()
     return finish(cfg, plan.space, exp_dir)
 
 
