@@ -28,7 +28,6 @@ from experiments.config import RayExperiment
 from experiments.experiment import STUDY_FILE, is_experiment, load_base, study_url
 from experiments.space import Space, parse_space
 from experiments.storage import rdb_storage, shown_url
-from experiments.trial import MODE
 from gptcore.errors import UserError
 
 WARM_FROM, WARM_TRIAL = "warm_start_from", "warm_start_trial"  # trial user attributes
@@ -99,6 +98,8 @@ def start_study(url: str, name: str, space: Space, tokens: int, history: History
     """Create the sweep's study with its space recorded (what a later warm start compares),
     and the warm-start history in it, once."""
     import optuna
+
+    from experiments.trial import MODE  # not at the top: `gptrun report` imports this module
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
