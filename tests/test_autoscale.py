@@ -187,7 +187,12 @@ while len([n for n in ray.nodes() if n["Alive"]]) < 2:
 head = "node:__internal_head__"
 worker = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and head not in n["Resources"])
 on_worker = NodeAffinitySchedulingStrategy(worker, soft=False)
-raylet = ray.get(ray.remote(num_cpus=0)(os.getppid).options(scheduling_strategy=on_worker).remote())
+
+@ray.remote(num_cpus=0)
+def parent_pid():
+    return os.getppid()
+
+raylet = ray.get(parent_pid.options(scheduling_strategy=on_worker).remote())
 assert b"raylet" in open(f"/proc/{raylet}/cmdline", "rb").read(), raylet  # a task's parent
 os.kill(raylet, signal.SIGSTOP)  # the node cannot answer; seconds: well within the GCS's health checks
 try:
