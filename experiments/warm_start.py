@@ -105,7 +105,7 @@ def start_study(url: str, name: str, space: Space, tokens: int, history: History
     study = optuna.create_study(
         storage=rdb_storage(url),
         study_name=name,
-        direction="minimize" if MODE == "min" else "maximize",
+        direction="minimize",  # val_loss, as OptunaSearch sees it (experiments.trial.MODE)
         load_if_exists=True,
     )
     study.set_user_attr(SPACE_ATTR, space.record())
