@@ -99,8 +99,6 @@ def start_study(url: str, name: str, space: Space, tokens: int, history: History
     and the warm-start history in it, once."""
     import optuna
 
-    from experiments.trial import MODE  # not at the top: `gptrun report` imports this module
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
         storage=rdb_storage(url),
