@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -279,6 +280,7 @@ def checkpoint_upload_times(
     blob.mkdir()
     (blob / CHECKPOINT_FILE).write_bytes(os.urandom(blob_mb * 1024 * 1024))
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request of the server
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
