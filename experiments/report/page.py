@@ -12,7 +12,7 @@ from typing import Any
 from experiments.config import RayExperiment
 from experiments.confirm import noise_line, verdict
 from experiments.report.plots import PLOTS
-from experiments.space import Space
+from experiments.space import Space, config_value
 
 
 def html_page(
@@ -87,8 +87,7 @@ def noise_html(noise: dict[str, Any] | None, exp_dir: Path) -> str:
 
 def baseline_note(cfg: RayExperiment, space: Space, trials: list[dict[str, Any]]) -> str:
     """How many trials ran the base config's own values: the one to beat."""
-    raw = cfg.to_dict()
-    base = {p.key: raw[p.key.partition(".")[0]][p.key.partition(".")[2]] for p in space.params}
+    base = {p.key: config_value(cfg, p.key) for p in space.params}
     same = sum(all(_same(space.overrides(t["config"]).get(k), v) for k, v in base.items()) for t in trials)
     values = ", ".join(
         f"{k.rpartition('.')[2]}={v:g}" if isinstance(v, float) else f"{k.rpartition('.')[2]}={v}"
