@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install demo chat-demo test test-services lint bench clean
+.PHONY: install demo chat-demo test test-services lint clean
 
 install: $(VENV)/.installed
 
@@ -65,9 +65,12 @@ test-services:
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; \
 	else echo "note: no PostgreSQL server binaries; run 'apt-get install postgresql' as root" >&2; fi
 
+# ruff format also checks the python code blocks of every Markdown file (README.md, docs/*.md,
+# cluster/README.md); tests/test_docs.py checks their links and their gptrun command lines.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q tests/test_docs.py
 
 clean:
 	rm -rf $(VENV) data runs sweeps exports

@@ -2,6 +2,7 @@
 
 Exit status: 0 success, 2 bad input or usage (one line on stderr, no traceback), 1 a failure at
 run time. Heavy imports (torch, ray) happen inside the handlers so that `--help` is instant.
+Each subcommand is a pair of functions: `_NAME_command` declares its options, `_NAME` runs it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gptcore.errors import DivergedError, UserError
+
+Subcommands = argparse._SubParsersAction  # what add_subparsers() returns (argparse names it privately)
 
 EPILOG = """\
 examples:
@@ -55,15 +58,7 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gptrun",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EPILOG,
-        description="Train small GPTs from scratch and sweep their hyperparameters on Ray.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
+def _prepare_command(sub: Subcommands) -> None:
     p = sub.add_parser(
         "prepare",
         help="train a BPE tokenizer and write uint16 token shards",
@@ -113,140 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=_prepare)
 
-    p = sub.add_parser(
-        "train",
-        help="train one model (Ray Train, or in-process with --local)",
-        description="Train one model from an experiment TOML. Without --local it "
-        "runs as a Ray Train job (DDP over --workers); running the same "
-        "command again resumes from the last checkpoint.",
-    )
-    p.add_argument("config", help="experiment TOML, e.g. experiments/configs/quickstart.toml")
-    p.add_argument("--data", default=None, help="prepared data folder (overrides data.dir)")
-    p.add_argument("--out", default=None, help="run folder (overrides train.out)")
-    p.add_argument("--local", action="store_true", help="train in this process, without Ray")
-    p.add_argument("--workers", type=int, default=None, help="DDP workers (resources.workers)")
-    p.add_argument("--gpus-per-worker", type=float, default=None)
-    p.add_argument("--cpus-per-worker", type=float, default=None)
-    p.add_argument(
-        "--max-failures",
-        type=int,
-        default=3,
-        help="worker-group restarts from the last checkpoint (default 3)",
-    )
-    p.add_argument("--name", default=None, help="Ray run name (default: from the config)")
-    _add_cluster(p)
-    _add_overrides(p)
-    p.set_defaults(handler=_train)
-
-    p = sub.add_parser("sample", help="generate text from a checkpoint, or chat with it")
-    p.add_argument(
-        "checkpoint", help="a .pt checkpoint written by gptrun train, or a Ray Train checkpoint folder"
-    )
-    p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables nucleus sampling")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-cache", action="store_true", help="recompute the prefix every token")
-    p.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="keep sampling past <|endoftext|> (the end of a training document)",
-    )
-    p.add_argument(
-        "--chat",
-        action="store_true",
-        help="chat: --prompt is the user's message; prints the assistant's reply (up to <|im_end|>)",
-    )
-    p.add_argument("--system", default=None, help="with --chat: a system message before the conversation")
-    p.add_argument(
-        "--interactive",
-        action="store_true",
-        help="with --chat: read the user's turns from stdin, one per line, until EOF",
-    )
-    p.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
-    )
-    p.add_argument("--device", default="auto")
-    p.set_defaults(handler=_sample)
-
-    p = sub.add_parser(
-        "export",
-        help="write a checkpoint as a Hugging Face model folder",
-        description="Write a checkpoint as a Hugging Face folder: safetensors weights, config.json "
-        "(GPT2LMHeadModel or LlamaForCausalLM), generation_config.json and the tokenizer with its "
-        "special tokens and chat template; transformers loads it offline with "
-        "AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR).",
-    )
-    p.add_argument(
-        "checkpoint", help="a .pt checkpoint written by gptrun train, or a Ray Train checkpoint folder"
-    )
-    p.add_argument("--hf", required=True, metavar="DIR", help="the folder to write (must be new or empty)")
-    p.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
-    )
-    p.add_argument("--force", action="store_true", help="replace a non-empty --hf folder")
-    p.set_defaults(handler=_export)
-
-    p = sub.add_parser("plan", help="what a sweep will cost, before it runs")
-    p.add_argument("config")
-    p.add_argument(
-        "--tokens-per-sec",
-        type=float,
-        default=None,
-        help="per-trial throughput; default: measured by a short probe",
-    )
-    p.add_argument("--cpus", type=float, default=None, help="cluster CPUs (default: this machine)")
-    p.add_argument("--gpus", type=float, default=None, help="cluster GPUs (default: this machine)")
-    _add_overrides(p)
-    p.set_defaults(handler=_plan)
-
-    p = sub.add_parser(
-        "sweep",
-        help="Optuna (TPE) + ASHA search over lr, weight decay, warmup",
-        description="Run a Ray Tune sweep. Kill it at any time; `gptrun resume` "
-        "continues it without losing trials.",
-    )
-    p.add_argument("config")
-    p.add_argument("--name", default=None, help="experiment name (default: config name)")
-    p.add_argument(
-        "--restart", action="store_true", help="delete an existing experiment of this name and start over"
-    )
-    _add_cluster(p)
-    _add_overrides(p)
-    p.set_defaults(handler=_sweep)
-
-    p = sub.add_parser("resume", help="continue an interrupted sweep")
-    p.add_argument("experiment_dir")
-    p.add_argument("--address", default=None)
-    p.set_defaults(handler=_resume)
-
-    p = sub.add_parser(
-        "confirm",
-        help="re-run the best configs with new seeds: what is noise",
-        description="Re-run the K best completed trials of a sweep with S new "
-        "seeds at full budget, report mean +- std for each and whether "
-        "the best is separated from the runner-up (Welch t-test). "
-        "Writes EXPERIMENT_DIR/noise.json; `gptrun report` shows it. "
-        "Killed, the same command resumes it.",
-    )
-    p.add_argument("experiment_dir")
-    p.add_argument("--top", type=int, default=3, help="how many of the best configs (default 3)")
-    p.add_argument("--seeds", type=int, default=3, help="new seeds per config (default 3)")
-    p.add_argument(
-        "--restart", action="store_true", help="replace an earlier confirm with a different --top / --seeds"
-    )
-    p.add_argument("--address", default=None)
-    p.set_defaults(handler=_confirm)
-
-    p = sub.add_parser("report", help="tables, plots, report.html and best.toml for a sweep")
-    p.add_argument("experiment_dir")
-    p.add_argument("--out", default=None, help="where to write (default: EXPERIMENT_DIR/report)")
-    p.set_defaults(handler=_report)
-
-    return parser
-
 
 def _prepare(args: argparse.Namespace) -> int:
     if args.sft:
@@ -283,6 +144,33 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_command(sub: Subcommands) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train one model (Ray Train, or in-process with --local)",
+        description="Train one model from an experiment TOML. Without --local it "
+        "runs as a Ray Train job (DDP over --workers); running the same "
+        "command again resumes from the last checkpoint.",
+    )
+    p.add_argument("config", help="experiment TOML, e.g. experiments/configs/quickstart.toml")
+    p.add_argument("--data", default=None, help="prepared data folder (overrides data.dir)")
+    p.add_argument("--out", default=None, help="run folder (overrides train.out)")
+    p.add_argument("--local", action="store_true", help="train in this process, without Ray")
+    p.add_argument("--workers", type=int, default=None, help="DDP workers (resources.workers)")
+    p.add_argument("--gpus-per-worker", type=float, default=None)
+    p.add_argument("--cpus-per-worker", type=float, default=None)
+    p.add_argument(
+        "--max-failures",
+        type=int,
+        default=3,
+        help="worker-group restarts from the last checkpoint (default 3)",
+    )
+    p.add_argument("--name", default=None, help="Ray run name (default: from the config)")
+    _add_cluster(p)
+    _add_overrides(p)
+    p.set_defaults(handler=_train)
+
+
 def _train(args: argparse.Namespace) -> int:
     from experiments.config import load_experiment
 
@@ -311,6 +199,41 @@ def _train(args: argparse.Namespace) -> int:
     )
 
 
+def _sample_command(sub: Subcommands) -> None:
+    p = sub.add_parser("sample", help="generate text from a checkpoint, or chat with it")
+    p.add_argument(
+        "checkpoint", help="a .pt checkpoint written by gptrun train, or a Ray Train checkpoint folder"
+    )
+    p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables nucleus sampling")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="recompute the prefix every token")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep sampling past <|endoftext|> (the end of a training document)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat: --prompt is the user's message; prints the assistant's reply (up to <|im_end|>)",
+    )
+    p.add_argument("--system", default=None, help="with --chat: a system message before the conversation")
+    p.add_argument(
+        "--interactive",
+        action="store_true",
+        help="with --chat: read the user's turns from stdin, one per line, until EOF",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
+    )
+    p.add_argument("--device", default="auto")
+    p.set_defaults(handler=_sample)
+
+
 def _sample(args: argparse.Namespace) -> int:
     from gptcore.sample import sample_cli
 
@@ -333,6 +256,26 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_command(sub: Subcommands) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model folder",
+        description="Write a checkpoint as a Hugging Face folder: safetensors weights, config.json "
+        "(GPT2LMHeadModel or LlamaForCausalLM), generation_config.json and the tokenizer with its "
+        "special tokens and chat template; transformers loads it offline with "
+        "AutoModelForCausalLM / AutoTokenizer.from_pretrained(DIR).",
+    )
+    p.add_argument(
+        "checkpoint", help="a .pt checkpoint written by gptrun train, or a Ray Train checkpoint folder"
+    )
+    p.add_argument("--hf", required=True, metavar="DIR", help="the folder to write (must be new or empty)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
+    )
+    p.add_argument("--force", action="store_true", help="replace a non-empty --hf folder")
+    p.set_defaults(handler=_export)
+
+
 def _export(args: argparse.Namespace) -> int:
     from gptcore.export import export_hf
 
@@ -344,12 +287,44 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_command(sub: Subcommands) -> None:
+    p = sub.add_parser("plan", help="what a sweep will cost, before it runs")
+    p.add_argument("config")
+    p.add_argument(
+        "--tokens-per-sec",
+        type=float,
+        default=None,
+        help="per-trial throughput; default: measured by a short probe",
+    )
+    p.add_argument("--cpus", type=float, default=None, help="cluster CPUs (default: this machine)")
+    p.add_argument("--gpus", type=float, default=None, help="cluster GPUs (default: this machine)")
+    _add_overrides(p)
+    p.set_defaults(handler=_plan)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from experiments.plan import plan_cli
 
     return plan_cli(
         args.config, args.overrides, tokens_per_sec=args.tokens_per_sec, cpus=args.cpus, gpus=args.gpus
     )
+
+
+def _sweep_command(sub: Subcommands) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="Optuna (TPE) + ASHA search over lr, weight decay, warmup",
+        description="Run a Ray Tune sweep. Kill it at any time; `gptrun resume` "
+        "continues it without losing trials.",
+    )
+    p.add_argument("config")
+    p.add_argument("--name", default=None, help="experiment name (default: config name)")
+    p.add_argument(
+        "--restart", action="store_true", help="delete an existing experiment of this name and start over"
+    )
+    _add_cluster(p)
+    _add_overrides(p)
+    p.set_defaults(handler=_sweep)
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -366,6 +341,13 @@ def _sweep(args: argparse.Namespace) -> int:
     )
     with ray_session(args.address, extra_local_cpus=plan.extra_local_cpus):
         return _then_confirm(run_sweep(plan), plan)
+
+
+def _resume_command(sub: Subcommands) -> None:
+    p = sub.add_parser("resume", help="continue an interrupted sweep")
+    p.add_argument("experiment_dir")
+    p.add_argument("--address", default=None)
+    p.set_defaults(handler=_resume)
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -388,6 +370,26 @@ def _then_confirm(status: int, plan: Any) -> int:
     return confirm(plan.exp_dir, plan.cfg, confirm_run, restart=False)
 
 
+def _confirm_command(sub: Subcommands) -> None:
+    p = sub.add_parser(
+        "confirm",
+        help="re-run the best configs with new seeds: what is noise",
+        description="Re-run the K best completed trials of a sweep with S new "
+        "seeds at full budget, report mean +- std for each and whether "
+        "the best is separated from the runner-up (Welch t-test). "
+        "Writes EXPERIMENT_DIR/noise.json; `gptrun report` shows it. "
+        "Killed, the same command resumes it.",
+    )
+    p.add_argument("experiment_dir")
+    p.add_argument("--top", type=int, default=3, help="how many of the best configs (default 3)")
+    p.add_argument("--seeds", type=int, default=3, help="new seeds per config (default 3)")
+    p.add_argument(
+        "--restart", action="store_true", help="replace an earlier confirm with a different --top / --seeds"
+    )
+    p.add_argument("--address", default=None)
+    p.set_defaults(handler=_confirm)
+
+
 def _confirm(args: argparse.Namespace) -> int:
     from experiments.confirm import confirm_cli
 
@@ -396,10 +398,44 @@ def _confirm(args: argparse.Namespace) -> int:
     )
 
 
+def _report_command(sub: Subcommands) -> None:
+    p = sub.add_parser("report", help="tables, plots, report.html and best.toml for a sweep")
+    p.add_argument("experiment_dir")
+    p.add_argument("--out", default=None, help="where to write (default: EXPERIMENT_DIR/report)")
+    p.set_defaults(handler=_report)
+
+
 def _report(args: argparse.Namespace) -> int:
     from experiments.report import report_cli
 
     return report_cli(args.experiment_dir, out=args.out)
+
+
+# Each subcommand's options, next to its handler, in the order `gptrun --help` lists them.
+COMMANDS: tuple[Callable[[Subcommands], None], ...] = (
+    _prepare_command,
+    _train_command,
+    _sample_command,
+    _export_command,
+    _plan_command,
+    _sweep_command,
+    _resume_command,
+    _confirm_command,
+    _report_command,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gptrun",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        description="Train small GPTs from scratch and sweep their hyperparameters on Ray.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_command in COMMANDS:
+        add_command(sub)
+    return parser
 
 
 def _toml_str(text: str) -> str:

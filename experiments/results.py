@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from experiments.config import RayExperiment
 from experiments.experiment import META_FILE, is_experiment, read_events
 from experiments.space import ZERO_SUFFIX, Space, apply_overrides
-from experiments.table import print_columns
+from experiments.table import fmt_sci, fmt_tokens, print_columns
 from gptcore.errors import UserError
+
+if TYPE_CHECKING:
+    from experiments.report.common import CommonBudget
 
 STATUS_ORDER = ("completed", "stopped early", "cut by budget", "diverged", "error", "unfinished")
 
@@ -134,23 +137,32 @@ def short_params(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def print_table(trials: list[dict[str, Any]]) -> None:
-    """The terminal table: rank, hyperparameters, tokens, losses, status, wall time, node; then
-    the reason of each trial that has one (an error, a divergence)."""
+def print_table(
+    trials: list[dict[str, Any]], space: Space | None = None, common: CommonBudget | None = None
+) -> None:
+    """The terminal table: rank, hyperparameters (log-scale ones of `space` in scientific
+    notation), tokens, final loss, the loss at the common budget (with `common`), best loss, bpb,
+    status, wall time, node; then the reason of each trial that has one (an error, a divergence)."""
     if not trials:
         print("no trials yet")
         return
     keys = sorted({k for t in trials for k in short_params(t["config"])})
-    header = ["#", *keys, "tokens", "val_loss", "best", "bpb", "status", "wall", "node"]
+    sci = {p.key.rpartition(".")[2] for p in space.params if p.kind == "loguniform"} if space else set()
+    at = [f"at {fmt_tokens(common.tokens)}"] if common else []
+    header = ["#", *keys, "tokens", "val_loss", *at, "best", "bpb", "status", "wall", "node"]
     rows = []
     for rank, t in enumerate(trials, 1):
         params = short_params(t["config"])
         rows.append(
             [
                 str(rank),
-                *(fmt_value(params.get(k, "")) for k in keys),
-                f"{t['tokens']:,.0f}",
+                *(
+                    fmt_sci(params[k]) if k in sci and k in params else fmt_value(params.get(k, ""))
+                    for k in keys
+                ),
+                fmt_tokens(t["tokens"]),
                 fmt_value(t["val_loss"]),
+                *([fmt_value(common.losses.get(t["trial_id"], math.nan))] if common else []),
                 fmt_value(t["best_val_loss"]),
                 fmt_value(t["val_bpb"]),
                 t["status"],

@@ -6,7 +6,9 @@ resumed still leaves every finished trial in the study, and optuna-dashboard can
 sweep. It adds what Ray's searcher leaves out:
 - each Optuna trial carries its Tune trial id (user attribute `tune_trial_id`);
 - intermediate values are keyed by tokens seen, which survive a restore (Tune's iteration
-  counter restarts at 1 after one);
+  counter restarts at 1 after one); every evaluation is one, the last included: Tune hands the
+  result that ends a trial (the one ASHA stopped it on, or its full-budget one) to
+  `on_trial_complete` only, so it is recorded there before the trial is told;
 - a trial that ends before its full token budget (ASHA stopped it, or the sweep's time budget
   ran out) is told as PRUNED with its intermediate values, not as COMPLETE with a partial loss,
   so TPE, the importance plot and the dashboard treat it as what it is.
@@ -45,9 +47,17 @@ class StudySearch(OptunaSearch):
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         if trial_id in self._completed_trials or trial_id not in self._ot_trials:
             return
+        self._record(trial_id, result)
+
+    def _record(self, trial_id: str, result: dict) -> None:
+        """One evaluation as the intermediate value at its token count. Skipped: a replayed
+        report after a restore (no more tokens than the last one), a report without a loss, and
+        the bad score of a failed or diverged run (a verdict, not a point of its curve)."""
         tokens = int(result.get("tokens", 0))
         if self.metric not in result or tokens <= self._reported.get(trial_id, 0):
-            return  # a replayed report after a restore, or one without a loss
+            return
+        if result.get("error") or result.get("diverged"):
+            return
         from optuna.exceptions import UpdateFinishedTrialError
 
         try:
@@ -63,6 +73,10 @@ class StudySearch(OptunaSearch):
         import optuna
 
         failed = error or not result or self.metric not in result
+        if not failed:
+            self._record(trial_id, result)  # the result that ended it reached no on_trial_result
+            if trial_id in self._completed_trials:  # told by a killed driver: see the module doc
+                return
         if (
             failed
             or result.get("error")
@@ -71,8 +85,8 @@ class StudySearch(OptunaSearch):
         ):
             state = optuna.trial.TrialState.FAIL if failed else optuna.trial.TrialState.COMPLETE
             value = None if failed else result[self.metric]
-        else:
-            state, value = optuna.trial.TrialState.PRUNED, None  # Optuna keeps the last report
+        else:  # Optuna gives a PRUNED trial the value of its last report: the one just recorded
+            state, value = optuna.trial.TrialState.PRUNED, None
         self._ot_study.tell(self._ot_trials[trial_id], value, state=state, skip_if_finished=True)
         self._completed_trials.add(trial_id)
 

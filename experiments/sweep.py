@@ -139,7 +139,7 @@ def finish(cfg: RayExperiment, space: Space, exp_dir: Path) -> int:
     trials = load_trials(exp_dir)
     cut = {t["trial_id"] for t in trials if t["status"] == "cut by budget"}
     close_running(study_url(cfg, exp_dir), exp_dir.name, {t["trial_id"] for t in trials}, cut)
-    print_table(trials)
+    print_table(trials, space)
     print_trial_costs(trials)
     ok = [t for t in trials if t["status"] in ("completed", "stopped early", "cut by budget")]
     if not ok:

@@ -79,6 +79,32 @@ def study_trials(url: str, name: str) -> list[tuple[str, str]]:
         engine.dispose()
 
 
+def study_values(url: str, name: str) -> dict[str, tuple[str, float | None, dict[int, float]]]:
+    """Tune trial id -> (Optuna state, value, {step: intermediate value}) of study `name`, read
+    with plain SQL like `study_trials`."""
+    import sqlalchemy
+
+    trials = sqlalchemy.text(
+        "select t.trial_id, a.value_json, t.state, v.value from trials t "
+        "join studies s on s.study_id = t.study_id "
+        "join trial_user_attributes a on a.trial_id = t.trial_id and a.key = 'tune_trial_id' "
+        "left join trial_values v on v.trial_id = t.trial_id where s.study_name = :name"
+    )
+    steps = sqlalchemy.text("select trial_id, step, intermediate_value from trial_intermediate_values")
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.connect() as db:
+            curves: dict[int, dict[int, float]] = {}
+            for trial_id, step, value in db.execute(steps):
+                curves.setdefault(trial_id, {})[step] = value
+            return {
+                json.loads(tid): (str(state), value, curves.get(trial_id, {}))
+                for trial_id, tid, state, value in db.execute(trials, {"name": name})
+            }
+    finally:
+        engine.dispose()
+
+
 def committed_step(run_dir: Path) -> int:
     """The step of the latest checkpoint Ray Train has committed for a run (0 if none yet).
 

@@ -1,8 +1,9 @@
-"""`gptrun report`: a sweep as a terminal table, parquet/CSV files, PNG plots, one static
+"""`gptrun report`: a sweep as a terminal table, parquet/CSV files, PNG plots, an interactive
 report.html and best.toml, and the optuna-dashboard command that opens the sweep's study. It
-starts no Ray cluster (it reads the sweep's files, and its study for the importance plot), so it
-works on a running or interrupted sweep too. `data` builds the rows and writes the tables,
-`plots` draws the figures, `page` writes the HTML; `report_cli` runs them in that order."""
+starts no Ray cluster (it reads the sweep's files), so it works on a running or interrupted sweep
+too. Trials are compared at a common budget (`common`), importances come with intervals
+(`importance`); `data` builds the rows and writes the tables, `plots` draws the PNGs,
+`interactive` the page's plots, `page` writes the HTML; `report_cli` runs them in that order."""
 
 from __future__ import annotations
 
@@ -11,26 +12,37 @@ from pathlib import Path
 from experiments.config import load_experiment
 from experiments.confirm import print_noise
 from experiments.experiment import STUDY_FILE, study_url
+from experiments.report.common import analysis_study, common_budget
 from experiments.report.data import best_trial, read_noise, trial_rows, write, write_tables
-from experiments.report.page import baseline_note, html_page, noise_html
+from experiments.report.importance import importances
+from experiments.report.interactive import check_plotly
+from experiments.report.page import report_page
 from experiments.report.plots import draw_importance, draw_noise, draw_sweep, figure_factory
 from experiments.results import best_config, load_curves, load_trials, print_table
 from experiments.space import parse_space
 from experiments.storage import dashboard_command
+from experiments.table import fmt_tokens
 
 
 def report_cli(experiment_dir: str, out: str | None) -> int:
     """Print the table, write every report file into `out` (default EXPERIMENT_DIR/report)."""
     exp_dir = Path(experiment_dir)
     trials = load_trials(exp_dir)  # UserError for a folder that is not a sweep
-    figure = figure_factory()  # UserError without matplotlib, before anything is written
+    figure = figure_factory()  # UserError without matplotlib or plotly, before anything is written
+    check_plotly()
     cfg = load_experiment(exp_dir / "gptrun.toml")
     space = parse_space(cfg)
     out_dir = Path(out) if out else exp_dir / "report"
-    print_table(trials)
-
-    rows = trial_rows(trials)
     curves = load_curves(exp_dir)
+    common = common_budget(trials, curves)
+    print_table(trials, space, common)
+    left = f"; left out (no evaluation by then): {', '.join(common.left_out)}" if common.left_out else ""
+    n = len(common.losses)
+    print(
+        f"compared at {fmt_tokens(common.tokens)} tokens (the largest budget all reached): {n} trials{left}"
+    )
+
+    rows = trial_rows(trials, common)
     write_tables(rows, curves, out_dir)
     best = best_trial(trials)
     if best is not None:
@@ -46,15 +58,19 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
 
     if cfg.sweep.storage_url or (exp_dir / STUDY_FILE).exists():
         print(f"study: {dashboard_command(study_url(cfg, exp_dir))}")
-    draw_sweep(figure, trials, curves, space, best["trial_id"] if best else None, out_dir)
-    importance_note = draw_importance(figure, exp_dir, cfg, out_dir)
+    best_id = best["trial_id"] if best else None
+    draw_sweep(figure, trials, curves, common, space, best_id, out_dir)
+    study = analysis_study(common, trials, space)
+    ranked = importances(study)
+    draw_importance(figure, ranked, common, out_dir)
+    print(f"importances: {ranked.note or ', '.join(f'{k} {v:.2f}' for k, v in ranked.point.items())}")
     noise = read_noise(exp_dir)
     (out_dir / "noise.png").unlink(missing_ok=True)  # never leave a stale one behind
     if noise is not None:
         print_noise(noise)
         draw_noise(figure, noise, out_dir)
-    section = baseline_note(cfg, space, trials) + noise_html(noise, exp_dir)
-    page = html_page(exp_dir, trials, rows, best, importance_note, section)
+
+    page = report_page(exp_dir, out_dir, cfg, space, trials, rows, curves, common, study, ranked, best, noise)
     write(out_dir / "report.html", lambda tmp: tmp.write_text(page, encoding="utf-8"))
     print(f"report: {(out_dir / 'report.html').resolve()}")
     return 0

@@ -1,5 +1,6 @@
-"""The report's data: one flat row per trial, the best trial, and the files a notebook reads
-(trials.parquet/.csv, curves.parquet), each written whole or not at all."""
+"""The report's data: one flat row per trial (its final loss and its loss at the common
+budget), the best trial, and the files a notebook reads (trials.parquet/.csv, curves.parquet),
+each written whole or not at all."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from experiments.confirm import NOISE_FILE
+from experiments.report.common import OK, CommonBudget
 from experiments.results import short_params
 from gptcore.atomic import atomic_file
 
-OK = ("completed", "stopped early", "cut by budget")  # finished without error: a loss to rank
 COLUMNS = (
     "tokens",
     "val_loss",
+    "common_tokens",
+    "common_val_loss",
     "best_val_loss",
     "val_bpb",
     "status",
@@ -31,20 +34,22 @@ PARAMS = ("lr", "weight_decay", "warmup")  # always present, first; other search
 CURVE_COLUMNS = ("trial_id", "tokens", "step", "loss", "val_loss", "lr", "tokens_per_sec")
 
 
-def trial_rows(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One flat row per trial (best first): rank, id, hyperparameters, tokens, losses, status,
-    times, node, checkpoint, reason. An empty list when there are no trials."""
+def trial_rows(trials: list[dict[str, Any]], common: CommonBudget) -> list[dict[str, Any]]:
+    """One flat row per trial (best final loss first): rank, id, hyperparameters, tokens, final
+    loss, the common budget and the loss there (NaN for a trial not compared), best loss, bpb,
+    status, times, node, checkpoint, reason. An empty list when there are no trials."""
     names = {k for t in trials for k in short_params(t["config"])}
     params = [*PARAMS, *sorted(names - set(PARAMS))]
     rows = []
     for rank, t in enumerate(trials, 1):
         p = short_params(t["config"])
+        at = {"common_tokens": common.tokens, "common_val_loss": common.losses.get(t["trial_id"], math.nan)}
         rows.append(
             {
                 "rank": rank,
                 "trial_id": t["trial_id"],
                 **{k: p.get(k) for k in params},
-                **{k: t[k] for k in COLUMNS},
+                **{k: at[k] if k in at else t[k] for k in COLUMNS},
             }
         )
     return rows

@@ -1,9 +1,12 @@
-"""report.html: one static page (no server, no script, opens from disk) with the trial table, the
-plots beside it, the importances and the noise section. Every value from a file is escaped."""
+"""report.html: one self-contained page (plotly.js inline, images as data: URIs: it opens
+offline from disk, and can be mailed alone) with the trial table, the interactive plots, the
+importances and the noise section. Every value from a file is escaped."""
 
 from __future__ import annotations
 
+import base64
 import math
+import os
 from collections import Counter
 from html import escape
 from pathlib import Path
@@ -11,58 +14,209 @@ from typing import Any
 
 from experiments.config import RayExperiment
 from experiments.confirm import noise_line, verdict
-from experiments.report.plots import PLOTS
+from experiments.report import interactive
+from experiments.report.common import CommonBudget
+from experiments.report.importance import Importances
 from experiments.space import Space, config_value
+from experiments.table import fmt_sci, fmt_tokens
+
+STATUS = {  # a status in words, and what it means on hover
+    "completed": "trained its full token budget",
+    "stopped early": "stopped by ASHA at a rung: worse than the trials it was compared with there",
+    "cut by budget": "ended by the sweep's time budget before its token budget",
+    "unfinished": "running, or interrupted and not yet resumed",
+    "diverged": "its loss became NaN or infinite",
+    "error": "failed: see the reason column",
+}
+HEADERS = {
+    "rank": "#",
+    "trial_id": "trial",
+    "tokens": "tokens",
+    "val_loss": "final val loss",
+    "best_val_loss": "best val loss",
+    "val_bpb": "bpb",
+    "wall_s": "wall",
+    "startup_s": "start-up",
+    "winddown_s": "wind-down",
+    "node_id": "node",
+}
+STYLE = """body{font-family:sans-serif;max-width:1200px;margin:auto;padding:0 1em}
+table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}
+th.at,td.at{background:#eef4fb;font-weight:bold} tr.unfinished{background:#ffe9c7;font-style:italic}
+tr.stopped-early,tr.cut-by-budget{color:#555} tr.diverged,tr.error{color:#a00}
+img{max-width:100%} p.note{background:#f6f6f6;padding:.5em 1em;border-left:4px solid #888}"""
 
 
-def html_page(
+def report_page(
     exp_dir: Path,
+    out_dir: Path,
+    cfg: RayExperiment,
+    space: Space,
     trials: list[dict[str, Any]],
     rows: list[dict[str, Any]],
+    curves: list[dict[str, Any]],
+    common: CommonBudget,
+    study: Any,
+    ranked: Importances,
     best: dict[str, Any] | None,
-    importance_note: str | None,
-    noise: str,
+    noise: dict[str, Any] | None,
 ) -> str:
-    """The whole page. `rows` are the trials.parquet rows (node ids cut to 8 characters here);
-    `importance_note` says why there is no importance plot; `noise` is the noise section's HTML."""
+    """report.html: the summary, the trial table (`rows`: trials.parquet's), the interactive
+    plots (`study`: the trials at the common budget), the importances, the noise section and
+    links to the PNGs."""
+    drawable = len(common.losses) >= 2  # Optuna's contour and parallel coordinates need two trials
+    contour = interactive.contour_figure(study, space, common) if drawable else None
+    too_few = f"<p>Needs two trials compared at the common budget; there are {len(common.losses)}.</p>"
+    params = interactive.params_figure(trials, common, space) if common.losses else None
+    sections = {
+        "Summary": best_html(best) + common_note(common, trials) + baseline_note(cfg, space, trials),
+        "Trials": trial_table(trials, rows, common, space, out_dir),
+        "Validation loss vs tokens": interactive.div(
+            interactive.curves_figure(trials, curves, common, space, best["trial_id"] if best else None),
+            "curves",
+        ),
+        "Loss vs each hyperparameter": interactive.div(params, "params") if params else too_few,
+        "Contour": (
+            interactive.div(contour, "contour")
+            if contour
+            else too_few
+            if not drawable
+            else "<p>Needs two searched hyperparameters.</p>"
+        ),
+        "Parallel coordinates": (
+            interactive.div(interactive.parallel_figure(study, common), "parallel") if drawable else too_few
+        ),
+        "Hyperparameter importance": importance_html(ranked, common),
+        "Noise": noise_html(noise, exp_dir, out_dir),
+        "Images": png_links(out_dir),
+    }
+    return html_page(exp_dir.name, trials, sections, interactive.plotly_js())
+
+
+def html_page(name: str, trials: list[dict[str, Any]], sections: dict[str, str], plotly_js: str) -> str:
+    """The whole page: a summary line, then `sections` (heading -> HTML: a table, a plot's
+    <div>, a note), in order; `plotly_js` is inlined once, in the head."""
     counts = ", ".join(f"{n} {s}" for s, n in Counter(t["status"] for t in trials).items())
-    head = "".join(f"<th>{escape(k)}</th>" for k in (rows[0] if rows else ()))
-    body = "".join(
-        f"<tr class='{r['status'].replace(' ', '-')}'>"
-        + "".join(f"<td>{escape(_cell(v[:8] if k == 'node_id' else v))}</td>" for k, v in r.items())
-        + "</tr>"
-        for r in rows
-    )
-    best_line = (
-        f"Best trial <b>{escape(best['trial_id'])}</b>: val loss {best['val_loss']:.4f} "
-        f"({escape(best['status'])}); config <a href='best.toml'>best.toml</a>; checkpoint "
-        f"<code>{escape(best['checkpoint'] or '-')}</code>"
-        if best
-        else "No trial has finished without error yet, so there is no best config."
-    )
-    plots = "".join(f"<h2>{title}</h2><img src='{name}' alt='{title}'>" for name, title in PLOTS)
-    imp = (
-        f"<p>{escape(importance_note)}</p>"
-        if importance_note
-        else "<img src='importance.png' alt='hyperparameter importance'>"
-    )
+    body = "".join(f"<h2>{escape(title)}</h2>{html}\n" for title, html in sections.items())
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>gptrun sweep {escape(exp_dir.name)}</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:auto}} table{{border-collapse:collapse;
-font-size:13px}} td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}
-tr.unfinished{{background:#ffe9c7;font-style:italic}} tr.stopped-early,tr.cut-by-budget{{color:#666}}
-tr.diverged,tr.error{{color:#a00}} img{{max-width:100%}}</style></head><body>
-<h1>Sweep {escape(exp_dir.name)}</h1>
-<p>{len(trials)} trials: {escape(counts or "none yet")}. Unfinished trials are highlighted.</p>
-<p class="best">{best_line}</p>
-<h2>Trials</h2><table><tr>{head}</tr>{body}</table>
-{plots}<h2>Hyperparameter importance</h2>{imp}
-<h2>Noise</h2>{noise}
-</body></html>
+<html><head><meta charset="utf-8"><title>gptrun sweep {escape(name)}</title>
+<style>{STYLE}</style><script>{plotly_js}</script></head><body>
+<h1>Sweep {escape(name)}</h1>
+<p>{len(trials)} trials: {escape(counts or "none yet")}.</p>
+{body}</body></html>
 """
 
 
-def noise_html(noise: dict[str, Any] | None, exp_dir: Path) -> str:
+def best_html(best: dict[str, Any] | None) -> str:
+    """The best trial's line: its final loss, best.toml, its checkpoint."""
+    if best is None:
+        return "<p>No trial has finished without error yet, so there is no best config.</p>"
+    return (
+        f"<p class='best'>Best trial <b>{escape(best['trial_id'])}</b>: final val loss "
+        f"{best['val_loss']:.4f} ({escape(best['status'])}, {fmt_tokens(best['tokens'])} tokens); "
+        "config <a href='best.toml'>best.toml</a>; checkpoint "
+        f"<code>{escape(best['checkpoint'] or '-')}</code></p>"
+    )
+
+
+def common_note(common: CommonBudget, trials: list[dict[str, Any]]) -> str:
+    """What the comparisons compare, and which trials they leave out."""
+    if not common.losses:
+        return "<p class='note'>No trial has an evaluation to compare yet.</p>"
+    completed = sum(t["status"] == "completed" for t in trials)
+    left = (
+        f" Left out: {escape(', '.join(common.left_out))} (no evaluation by then: ended before its first)."
+        if common.left_out
+        else ""
+    )
+    return (
+        f"<p class='note'>Trials are compared at <b>{fmt_tokens(common.tokens)} tokens</b> "
+        f"({len(common.losses)} trials), the largest budget every trial that finished reached (ASHA "
+        "stops the worse trials at its rungs and trains the better ones on: a trial trained longer has "
+        "a lower loss whatever its hyperparameters). Plots put trials side by side at that budget; the "
+        f"completed trials' final losses ({completed}) are shown as their own series.{left}</p>"
+    )
+
+
+def trial_table(
+    trials: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    common: CommonBudget,
+    space: Space,
+    out_dir: Path,
+) -> str:
+    """The trial table: final values, and the loss at the common budget beside them (bold)."""
+    if not rows:
+        return "<p>No trials yet.</p>"
+    sci = {p.key.rpartition(".")[2] for p in space.params if p.kind == "loguniform"}
+    paths = {t["trial_id"]: t.get("path", "") for t in trials}
+    keys = [k for k in rows[0] if k != "common_tokens"]
+    head = "".join(_header(k, common) for k in keys)
+    body = "".join(
+        f"<tr class='{r['status'].replace(' ', '-')}'>"
+        + "".join(_cell(k, r[k], sci, paths.get(r["trial_id"], ""), out_dir) for k in keys)
+        + "</tr>"
+        for r in rows
+    )
+    return f"<div style='overflow-x:auto'><table><tr>{head}</tr>{body}</table></div>"
+
+
+def importance_html(ranked: Importances, common: CommonBudget) -> str:
+    """The importances with their intervals, or why there are none; and what to keep in mind."""
+    plot = (
+        interactive.div(interactive.importance_figure(ranked, common), "importance") if ranked.point else ""
+    )
+    return plot + (f"<p class='note'>{escape(ranked.note)}</p>" if ranked.note else "")
+
+
+def png_links(out_dir: Path) -> str:
+    """Links to the PNGs beside the page (for a paper or a chat), those that were drawn."""
+    names = [n for n in ("curves.png", "params.png", "importance.png", "noise.png") if (out_dir / n).exists()]
+    links = ", ".join(f"<a href='{n}'>{n}</a>" for n in names)
+    return f"<p>The same plots as images, beside this page: {links}.</p>"
+
+
+def png(path: Path, alt: str) -> str:
+    """An <img> holding the PNG itself (a data: URI), so that the page needs no other file."""
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f"<img src='data:image/png;base64,{data}' alt='{escape(alt)}'>"
+
+
+def _header(key: str, common: CommonBudget) -> str:
+    if key == "common_val_loss":
+        return f"<th class='at'>val loss at {fmt_tokens(common.tokens)}</th>"
+    return f"<th>{escape(HEADERS.get(key, key))}</th>"
+
+
+def _cell(key: str, value: Any, sci: set[str], path: str, out_dir: Path) -> str:
+    if key == "trial_id" and path and "://" not in path:
+        href = Path(os.path.relpath(path, out_dir)).as_posix()
+        return f"<td><a href='{escape(href)}/'>{escape(value)}</a></td>"
+    if key == "status":
+        return f"<td title='{escape(STATUS.get(value, ''))}'>{escape(value)}</td>"
+    if key == "common_val_loss":
+        return f"<td class='at'>{_number(value, '.4f')}</td>"
+    if key == "tokens":
+        return f"<td>{fmt_tokens(value)}</td>"
+    if key in sci and isinstance(value, float):
+        return f"<td>{fmt_sci(value)}</td>"
+    if key in ("val_loss", "best_val_loss", "val_bpb"):
+        return f"<td>{_number(value, '.4f')}</td>"
+    if key.endswith("_s") and isinstance(value, float):
+        return f"<td>{'-' if math.isnan(value) else f'{value:.3g}s'}</td>"
+    if key == "checkpoint" and value:  # the trial's folder and checkpoint; the full path on hover
+        return f"<td title='{escape(value)}'>{escape('/'.join(Path(value).parts[-2:]))}</td>"
+    if key == "node_id":
+        return f"<td title='{escape(value)}'>{escape(value[:8])}</td>"
+    return f"<td>{escape(_text(value))}</td>"
+
+
+def _number(value: Any, spec: str) -> str:
+    return "-" if not isinstance(value, (int, float)) or math.isnan(value) else format(value, spec)
+
+
+def noise_html(noise: dict[str, Any] | None, exp_dir: Path, out_dir: Path) -> str:
     """The noise section: the verdict, the noise line and the re-runs (beside noise.png), or how
     to measure the noise when `gptrun confirm` has not."""
     if noise is None:
@@ -73,15 +227,15 @@ def noise_html(noise: dict[str, Any] | None, exp_dir: Path) -> str:
         )
     line = noise_line(noise)
     rows = "".join(
-        f"<tr><td>{escape(r['trial_id'])}</td><td>{_cell(r['sweep_val_loss'])}</td>"
-        f"<td>{_cell(r['mean'])}</td><td>{_cell(r['std'])}</td>"
+        f"<tr><td>{escape(r['trial_id'])}</td><td>{_text(r['sweep_val_loss'])}</td>"
+        f"<td>{_text(r['mean'])}</td><td>{_text(r['std'])}</td>"
         f"<td>{len(r['losses'])}</td></tr>"
         for r in noise["candidates"]
     )
     return (
         f"<p>{escape(verdict(noise))}. {escape(line[:1].upper() + line[1:])}.</p>"
         "<table><tr><th>trial</th><th>sweep loss</th><th>mean</th><th>std</th><th>runs</th>"
-        f"</tr>{rows}</table><img src='noise.png' alt='noise'>"
+        f"</tr>{rows}</table>{png(out_dir / 'noise.png', 'noise')}"
     )
 
 
@@ -89,14 +243,17 @@ def baseline_note(cfg: RayExperiment, space: Space, trials: list[dict[str, Any]]
     """How many trials ran the base config's own values: the one to beat."""
     base = {p.key: config_value(cfg, p.key) for p in space.params}
     same = sum(all(_same(space.overrides(t["config"]).get(k), v) for k, v in base.items()) for t in trials)
+    sci = {p.key for p in space.params if p.kind == "loguniform"}
     values = ", ".join(
-        f"{k.rpartition('.')[2]}={v:g}" if isinstance(v, float) else f"{k.rpartition('.')[2]}={v}"
+        f"{k.rpartition('.')[2]}={fmt_sci(v) if k in sci else format(v, 'g')}"
+        if isinstance(v, float)
+        else f"{k.rpartition('.')[2]}={v}"
         for k, v in base.items()
     )
     return f"<p>{same} trial(s) ran with the baseline config ({values}).</p>"
 
 
-def _cell(value: Any) -> str:
+def _text(value: Any) -> str:
     if isinstance(value, float):
         return "-" if math.isnan(value) else f"{value:.4g}"
     return "" if value is None else str(value)

@@ -1,27 +1,23 @@
-"""The report's PNG plots, drawn with matplotlib on the Agg canvas (no display, no pyplot state):
-loss curves, final loss against lr and warmup, parallel coordinates, Optuna's importances and the
-seed re-runs. Unfinished trials are drawn too: a report of a running sweep shows where it is."""
+"""The report's PNG plots, for pasting into a paper or a chat, drawn with matplotlib on the Agg
+canvas (no display, no pyplot state): loss curves, loss against each hyperparameter at the
+common budget, importances with their intervals, and the seed re-runs. Unfinished trials are
+drawn too: a report of a running sweep shows where it is. report.html has the same plots,
+interactive (`interactive`)."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from experiments.config import RayExperiment
-from experiments.experiment import STUDY_FILE, study_url
+from experiments.report.common import CommonBudget, completed, evaluations, finite, param_name
 from experiments.report.data import write
+from experiments.report.importance import LEVEL, Importances
 from experiments.results import short_params
-from experiments.space import Space
-from experiments.storage import rdb_storage
+from experiments.space import Param, Space
+from experiments.table import fmt_tokens
 from gptcore.errors import UserError
 
-PLOTS = (
-    ("curves.png", "Validation loss vs tokens"),
-    ("lr.png", "Final loss vs learning rate"),
-    ("warmup.png", "Final loss vs warmup"),
-    ("parallel.png", "Parallel coordinates"),
-)
 LINE = {
     "completed": dict(ls="-", alpha=0.9),
     "stopped early": dict(color="grey", ls="--", alpha=0.6),
@@ -30,19 +26,14 @@ LINE = {
     "diverged": dict(color="k", ls=":"),
     "error": dict(color="k", ls=":"),
 }
-MARKER = {
-    "completed": "o",
-    "stopped early": "v",
-    "cut by budget": "s",
-    "unfinished": "X",
-    "diverged": "x",
-    "error": "x",
-}
+MARKER = {"completed": "o", "stopped early": "v", "cut by budget": "s", "unfinished": "X"}
+FINAL = "#d62728"  # tab:red: the completed trials' final losses, in every plot
 
 
 def figure_factory() -> Any:
-    """A function making (figure, axes) on the Agg canvas. Called before anything is written, so
-    that a missing matplotlib is one UserError and no half report."""
+    """A function making (figure, axes) on the Agg canvas (`ncols` > 1: a row of axes sharing
+    y). Called before anything is written, so that a missing matplotlib is one UserError and no
+    half report."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -52,10 +43,11 @@ def figure_factory() -> Any:
             "run: pip install 'gptrun[report]'"
         ) from None
 
-    def make(width: float = 8.0, height: float = 5.0) -> tuple[Any, Any]:
+    def make(width: float = 8.0, height: float = 5.0, ncols: int = 1) -> tuple[Any, Any]:
         fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
         FigureCanvasAgg(fig)
-        return fig, fig.add_subplot()
+        axes = list(fig.subplots(1, ncols, sharey=True, squeeze=False)[0])
+        return fig, axes[0] if ncols == 1 else axes
 
     return make
 
@@ -64,73 +56,45 @@ def draw_sweep(
     figure: Any,
     trials: list[dict[str, Any]],
     curves: list[dict[str, Any]],
+    common: CommonBudget,
     space: Space,
     best_id: str | None,
     out_dir: Path,
 ) -> None:
-    """The four plots of `PLOTS` into `out_dir`, the best trial in red on each."""
-    _save(_plot_curves(figure(), trials, curves, best_id), out_dir / "curves.png")
-    _save(_plot_scatter(figure(), trials, "lr", best_id, log=True), out_dir / "lr.png")
-    _save(_plot_scatter(figure(), trials, "warmup", best_id), out_dir / "warmup.png")
-    _save(_plot_parallel(figure(), trials, space, best_id), out_dir / "parallel.png")
+    """curves.png, and params.png once a trial can be compared, into `out_dir`."""
+    _save(_plot_curves(figure(), trials, curves, common, best_id), out_dir / "curves.png")
+    (out_dir / "params.png").unlink(missing_ok=True)  # never leave a stale one behind
+    if common.losses:
+        _save(_plot_params(figure, trials, common, space, best_id), out_dir / "params.png")
 
 
-def draw_importance(figure: Any, exp_dir: Path, cfg: RayExperiment, out_dir: Path) -> str | None:
-    """Draw importance.png from the Optuna study; return why not when it cannot be drawn.
-
-    ASHA lets only the better trials run to the end, so the completed trials alone say little
-    about what mattered. Every trial with reports is compared instead at the largest token count
-    that all of them reached (ASHA's first rung, when it stopped some), by its validation loss
-    there: Optuna's PED-ANOVA on that common budget."""
+def draw_importance(figure: Any, importances: Importances, common: CommonBudget, out_dir: Path) -> None:
+    """importance.png: each parameter's importance and its bootstrap interval; none when the
+    importances were not ranked (too few trials: the page says why)."""
     (out_dir / "importance.png").unlink(missing_ok=True)  # never leave a stale one behind
-    if not cfg.sweep.storage_url and not (exp_dir / STUDY_FILE).exists():
-        return f"No {STUDY_FILE} in the experiment folder (no trial has started), so no importances."
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        study = optuna.load_study(study_name=exp_dir.name, storage=rdb_storage(study_url(cfg, exp_dir)))
-        common, at_common = _at_common_budget(study.trials)
-        if len(at_common.trials) < 2:
-            return (
-                f"Only {len(at_common.trials)} trial(s) with reports in the Optuna study; importances need 2."
-            )
-        importances = optuna.importance.get_param_importances(
-            at_common, evaluator=optuna.importance.PedAnovaImportanceEvaluator()
-        )
-    except (KeyError, ValueError, RuntimeError, UserError) as err:  # UserError: the server is down
-        return f"Importances could not be computed: {err}"
-    fig, ax = figure()
-    ax.barh(list(importances)[::-1], list(importances.values())[::-1], color="tab:blue")
+    if not importances.point:
+        return
+    names = list(importances.point)[::-1]  # the most important on top
+    point = [importances.point[k] for k in names]
+    fig, ax = figure(8.0, 1.5 + 0.6 * len(names))
+    ax.errorbar(
+        point,
+        names,
+        xerr=[
+            [p - importances.low[k] for p, k in zip(point, names, strict=True)],
+            [importances.high[k] - p for p, k in zip(point, names, strict=True)],
+        ],
+        fmt="o",
+        capsize=6,
+        color="tab:blue",
+    )
+    ax.set_xlim(0, 1)
+    ax.grid(alpha=0.3, axis="x")
     ax.set(
-        xlabel="importance (PED-ANOVA)",
-        title=f"Hyperparameter importance: val loss at {common:,} tokens ({len(at_common.trials)} trials)",
+        xlabel=f"importance (PED-ANOVA); bars: {LEVEL:.0%} bootstrap interval",
+        title=f"Hyperparameter importance: {common.title}",
     )
     _save(fig, out_dir / "importance.png")
-    return None
-
-
-def _at_common_budget(trials: list[Any]) -> tuple[int, Any]:
-    """An in-memory study holding each reporting trial once, valued by its last validation loss
-    at or before the largest token count that every such trial reached."""
-    import optuna
-
-    reported = [
-        t
-        for t in trials
-        if t.intermediate_values
-        and t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-    ]
-    common = min((max(t.intermediate_values) for t in reported), default=0)
-    study = optuna.create_study(direction="minimize")
-    for t in reported:
-        step = max(s for s in t.intermediate_values if s <= common)
-        study.add_trial(
-            optuna.trial.create_trial(
-                params=t.params, distributions=t.distributions, value=t.intermediate_values[step]
-            )
-        )
-    return common, study
 
 
 def draw_noise(figure: Any, noise: dict[str, Any], out_dir: Path) -> None:
@@ -144,7 +108,7 @@ def draw_noise(figure: Any, noise: dict[str, Any], out_dir: Path) -> None:
             zorder=2,
             label="new seeds" if x == 0 else None,
         )
-        if _finite(row["std"]):
+        if finite(row["std"]):
             ax.errorbar(
                 [x + 0.15],
                 [row["mean"]],
@@ -173,36 +137,69 @@ def draw_noise(figure: Any, noise: dict[str, Any], out_dir: Path) -> None:
     _save(fig, out_dir / "noise.png")
 
 
+def zero_x(p: Param) -> float:
+    """Where a log-scale parameter's chosen 0 (`include_zero`) is drawn: left of its range."""
+    return p.low / 3
+
+
+def x_value(p: Param, value: Any) -> Any:
+    """A trial's value of `p` on the plot's x axis (a log-scale 0 at `zero_x`)."""
+    return zero_x(p) if p.kind == "loguniform" and value == 0 else value
+
+
+def param_panels(
+    trials: list[dict[str, Any]], common: CommonBudget, space: Space
+) -> Iterator[tuple[Param, str, dict[str, Any], dict[str, list[dict[str, Any]]]]]:
+    """For each searched key, one panel of the loss-vs-hyperparameter plot: the key, its name,
+    each trial's x, and the trials compared at the common budget by status."""
+    for p in space.params:
+        name = param_name(p.key)
+        x = {t["trial_id"]: x_value(p, short_params(t["config"]).get(name)) for t in trials}
+        groups = {
+            s: [t for t in trials if t["status"] == s and t["trial_id"] in common.losses] for s in MARKER
+        }
+        yield p, name, x, {s: group for s, group in groups.items() if group}
+
+
 def _save(fig: Any, path: Path) -> None:
     write(path, lambda tmp: fig.savefig(tmp, format="png"))
 
 
-def _style(t: dict[str, Any], best_id: str | None, i: int) -> dict[str, Any]:
-    if t["trial_id"] == best_id:
-        return dict(color="tab:red", lw=3, zorder=3, label=f"best {best_id}")
-    return {"color": f"C{i % 10}", "lw": 1.3, **LINE[t["status"]]}
+def _token_axis(axis: Any) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda x, _: fmt_tokens(x)))
 
 
 def _plot_curves(
-    fa: tuple[Any, Any], trials: list[dict[str, Any]], curves: list[dict[str, Any]], best_id: str | None
+    fa: tuple[Any, Any],
+    trials: list[dict[str, Any]],
+    curves: list[dict[str, Any]],
+    common: CommonBudget,
+    best_id: str | None,
 ) -> Any:
     fig, ax = fa
     labelled: set[str] = set()
+    points_of = evaluations(curves)
     for i, t in enumerate(trials):
-        pts = sorted(
-            (c["tokens"], c["val_loss"])
-            for c in curves
-            if c["trial_id"] == t["trial_id"] and c["tokens"] is not None and _finite(c["val_loss"])
-        )
+        pts = points_of.get(t["trial_id"], [])
         if not pts:
             continue
-        style = _style(t, best_id, i)
+        if t["trial_id"] == best_id:
+            style = dict(color=FINAL, lw=3, zorder=3, label=f"best {best_id}")
+        else:
+            style = {"color": f"C{i % 10}", "lw": 1.3, **LINE[t["status"]]}
         if "label" not in style and t["status"] not in labelled:
             labelled.add(t["status"])
             style["label"] = t["status"]
         ax.plot(*zip(*pts, strict=True), **style)
         if t["status"] == "unfinished":
             ax.plot(*pts[-1], marker="X", color="tab:orange", ms=9)
+    if common.losses:
+        ax.axvline(
+            common.tokens, color="k", ls=":", lw=1, label=f"common budget ({fmt_tokens(common.tokens)})"
+        )
+    _token_axis(ax.xaxis)
     ax.set(xlabel="tokens", ylabel="validation loss", title="Validation loss per trial")
     ax.grid(alpha=0.3)
     if labelled or best_id:
@@ -210,104 +207,67 @@ def _plot_curves(
     return fig
 
 
-def _plot_scatter(
-    fa: tuple[Any, Any], trials: list[dict[str, Any]], key: str, best_id: str | None, log: bool = False
+def _plot_params(
+    figure: Any, trials: list[dict[str, Any]], common: CommonBudget, space: Space, best_id: str | None
 ) -> Any:
-    """Final val loss against one hyperparameter; colour = weight decay (white = 0)."""
-    from matplotlib import cm, colormaps, colors
-
-    fig, ax = fa
-    pts = [(t, short_params(t["config"])) for t in trials if _finite(t["val_loss"])]
-    pts = [(t, p) for t, p in pts if isinstance(p.get(key), (int, float))]
-    wds = [p["weight_decay"] for _, p in pts if (p.get("weight_decay") or 0) > 0]
-    norm = colors.LogNorm(min(wds), max(wds) if max(wds) > min(wds) else 10 * min(wds)) if wds else None
-    cmap = colormaps["viridis"]
-    for status, marker in MARKER.items():
-        group = [(t, p) for t, p in pts if t["status"] == status]
-        if group:
-            fill = [
-                cmap(norm(p["weight_decay"])) if norm and (p.get("weight_decay") or 0) > 0 else "white"
-                for _, p in group
-            ]
+    """One panel per searched key: every compared trial's loss at the common budget (blue,
+    marker = status) and, as its own series, each completed trial's final loss (red star, joined
+    to its own point at the budget: the gap is training, not the hyperparameter)."""
+    fig, axes = figure(max(8.0, 4.0 * len(space.params)), 4.5, ncols=len(space.params))
+    axes = [axes] if len(space.params) == 1 else axes
+    done, final_at = completed(trials)
+    for ax, (p, name, x, groups) in zip(axes, param_panels(trials, common, space), strict=True):
+        for status, group in groups.items():
             ax.scatter(
-                [p[key] for _, p in group],
-                [t["val_loss"] for t, _ in group],
-                c=fill,
-                marker=marker,
-                s=70,
+                [x[t["trial_id"]] for t in group],
+                [common.losses[t["trial_id"]] for t in group],
+                marker=MARKER[status],
+                s=60,
+                color="tab:blue",
                 edgecolors="k",
-                label=status,
                 zorder=2,
+                label=f"{status}: at {fmt_tokens(common.tokens)}",
             )
-    for t, p in pts:
-        if t["trial_id"] == best_id:
+        for t in done:
+            tid = t["trial_id"]
+            if tid in common.losses:
+                ax.plot([x[tid]] * 2, [common.losses[tid], t["val_loss"]], color=FINAL, lw=0.8, ls=":")
+        if done:
             ax.scatter(
-                [p[key]],
-                [t["val_loss"]],
-                s=300,
-                facecolors="none",
-                edgecolors="tab:red",
-                lw=2,
-                label=f"best {best_id}",
+                [x[t["trial_id"]] for t in done],
+                [t["val_loss"] for t in done],
+                marker="*",
+                s=160,
+                color=FINAL,
+                edgecolors="k",
                 zorder=3,
+                label=f"completed: final, at {final_at}",
             )
-    if norm is not None:
-        fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="weight decay (white marker = 0)")
-    if log:
-        ax.set_xscale("log")
-    ax.set(xlabel=key, ylabel="final validation loss", title=f"Final loss vs {key}")
-    ax.grid(alpha=0.3)
-    if pts:
-        ax.legend(fontsize="small")
-    return fig
-
-
-def _plot_parallel(
-    fa: tuple[Any, Any], trials: list[dict[str, Any]], space: Space, best_id: str | None
-) -> Any:
-    """Each searched key on its own axis scaled to its range (log keys on a log scale; a chosen
-    zero sits below the axis), then the final loss (0 = best, 1 = worst); colour = loss."""
-    from matplotlib import colormaps
-
-    fig, ax = fa
-    losses = [t["val_loss"] for t in trials if _finite(t["val_loss"])]
-    lo, hi = (min(losses), max(losses)) if losses else (0.0, 1.0)
-    names = [p.key.rpartition(".")[2] for p in space.params]
-    for i, t in enumerate(trials):
-        values = short_params(t["config"])
-        ys = [_normalize(p, values.get(n)) for p, n in zip(space.params, names, strict=True)]
-        ys.append((t["val_loss"] - lo) / (hi - lo or 1.0) if _finite(t["val_loss"]) else math.nan)
-        style = _style(t, best_id, i)
-        if t["trial_id"] != best_id:
-            style["color"] = colormaps["viridis"](ys[-1]) if _finite(ys[-1]) else "k"
-        ax.plot(range(len(ys)), ys, marker="o", ms=4, **style)
-    labels = [
-        f"{n}\n{'log ' if p.kind == 'loguniform' else ''}[{p.low:.3g}, {p.high:.3g}]"
-        if p.kind != "choice"
-        else f"{n}\n{list(p.choices)}"
-        for p, n in zip(space.params, names, strict=True)
-    ]
-    ax.set_xticks(range(len(labels) + 1), [*labels, f"val loss\n[{lo:.4g}, {hi:.4g}]"])
-    for x in range(len(labels) + 1):
-        ax.axvline(x, color="k", lw=0.8)
-    ax.set(
-        ylabel="position in range (below 0: value 0)",
-        title="Parallel coordinates (red = best; colour = loss, dashed = stopped early)",
+        best = next((t for t in trials if t["trial_id"] == best_id), None)
+        if best is not None:
+            ax.scatter(
+                [x[best_id]],
+                [best["val_loss"]],
+                s=380,
+                facecolors="none",
+                edgecolors="k",
+                lw=1.5,
+                zorder=4,
+                label=f"best {best_id} (final)",
+            )
+        xlabel = name
+        if p.kind == "loguniform":
+            ax.set_xscale("log")
+            if any(v == zero_x(p) for v in x.values()):
+                ax.axvline(p.low / 1.7, color="grey", lw=0.8, ls="--")
+                xlabel += f" (left of the dashed line: {name} = 0)"
+        ax.set(xlabel=xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss")
+    if common.losses:
+        axes[0].legend(fontsize="small")
+    fig.suptitle(
+        f"{common.title[:1].upper()}{common.title[1:]} (blue)"
+        + (f"; completed trials' final loss at {final_at} tokens (red)" if done else "")
     )
     return fig
-
-
-def _normalize(p: Any, value: Any) -> float:
-    if value is None:
-        return math.nan
-    if p.kind == "choice":
-        return p.choices.index(value) / max(len(p.choices) - 1, 1) if value in p.choices else math.nan
-    if p.kind == "loguniform":
-        return (
-            -0.1 if value <= 0 else (math.log(value) - math.log(p.low)) / (math.log(p.high) - math.log(p.low))
-        )
-    return (value - p.low) / (p.high - p.low)
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
