@@ -47,8 +47,21 @@ import torch
 from torch import Tensor
 
 from gptcore.config import ModelConfig
+from gptcore.data import TokenData
 from gptcore.model import GPT
 from gptcore.optim import AdamW, param_groups, set_lr
+
+
+def coord_batches(data: TokenData, count: int, seq_len: int = 32) -> list[tuple[Tensor, Tensor]]:
+    """`count` one-window batches of the train split for `coord_check`. Few tokens per batch keep
+    the update's coherent part (the one µP scales) above the per-entry noise of Adam's sign-like
+    first steps, which at widths of a few hundred is still visible and shrinks with width."""
+    return [
+        data.train_batch(
+            seed=0, step=i, micro=0, rank=0, world_size=1, batch_size=1, grad_accum=1, seq_len=seq_len
+        )
+        for i in range(count)
+    ]
 
 
 def coord_check(
