@@ -3,11 +3,11 @@ training config for the wide target.
 
 Under µP (`model.mup_base_width`, see gptcore.mup) the optimizer's values are those of the base
 width at every width, so the proxy's best lr, weight decay and warmup (and any other optimizer key
-the sweep searched) are copied into the target unchanged; the model applies lr / m to its hidden
-matrices. µP transfers across width only, so everything else that shapes the optimum must be the
-same in both: depth, d_head, vocabulary and tokenizer, sequence length, batch, schedule. A
-difference is refused in one line rather than transferred into a learning rate that no longer
-applies.
+the sweep searched), its base width and its output multiplier are copied into the target
+unchanged; the model applies lr / m to its hidden matrices. µP transfers across width only, so
+everything else that shapes the optimum must be the same in both: depth, d_head, vocabulary and
+tokenizer, sequence length, batch, schedule. A difference is refused in one line rather than
+transferred into a learning rate that no longer applies.
 
 The token horizon is the exception the user may opt into: a longer run generally wants a lower
 lr, and `--horizon-exponent a` multiplies the lr by (target tokens / proxy tokens)^-a. That is an
@@ -72,6 +72,7 @@ def transfer_cli(sweep: str, target: str, out: str | None, horizon_exponent: flo
     values = {key: config_value(proxy, key) for key in carried_keys(space)}
     values["optim.lr"] = proxy.optim.lr * horizon
     values["model.mup_base_width"] = proxy.model.mup_base_width
+    values["model.mup_output_mult"] = proxy.model.mup_output_mult
     result = apply_overrides(target_cfg, values)
     out_path = Path(out) if out else exp_dir / f"transfer-{Path(target).stem}.toml"
     if out_path.is_dir():
@@ -143,6 +144,11 @@ def _print_side_by_side(
         ["model.n_head", str(proxy.model.n_head), str(target.model.n_head)],
         ["model.d_ff", str(proxy.model.d_ff), str(target.model.d_ff)],
         ["model.mup_base_width", str(proxy.model.mup_base_width), str(target.model.mup_base_width)],
+        [
+            "model.mup_output_mult",
+            fmt_value(proxy.model.mup_output_mult),
+            fmt_value(target.model.mup_output_mult),
+        ],
         ["width multiplier m", fmt_value(proxy.model.width_mult), fmt_value(target.model.width_mult)],
         *[
             [key, fmt_value(config_value(proxy, key)), fmt_value(config_value(target, key))]

@@ -59,6 +59,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     # µP (gptcore.mup): the d_model whose learning rate and init this config's values are; 0 = off.
     mup_base_width: int = 0
+    mup_output_mult: float = 1.0  # µP: the logits' multiplier at the base width (then / m)
 
     def __post_init__(self) -> None:
         self._derived = tuple(key for key in DERIVED_KEYS if getattr(self, key) == 0)
@@ -115,6 +116,12 @@ class ModelConfig:
             raise UserError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.mup_base_width < 0:
             raise UserError(f"model.mup_base_width={self.mup_base_width} must be >= 0 (0 turns µP off)")
+        require_positive("model.mup_output_mult", self.mup_output_mult)
+        if self.mup_output_mult != 1.0 and not self.mup_base_width:
+            raise UserError(
+                f"model.mup_output_mult={self.mup_output_mult} is µP's and needs model.mup_base_width "
+                "(the width it applies at); set both, or leave mup_output_mult at 1"
+            )
 
 
 @dataclass

@@ -190,8 +190,8 @@ class GPT(nn.Module):
         self.norm_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied: one matrix reads and writes tokens
-        # µP's output multiplier 1/m, applied to the final hidden state (gptcore.mup); None: off.
-        self.logit_mult = 1.0 / cfg.width_mult if cfg.mup_base_width else None
+        # µP's output multiplier (mup_output_mult / m) on the final hidden state (gptcore.mup); None: off.
+        self.logit_mult = cfg.mup_output_mult / cfg.width_mult if cfg.mup_base_width else None
         if cfg.style == "llama":
             cos, sin = rope_tables(cfg.d_model // cfg.n_head, cfg.max_positions, cfg.rope_theta)
             # Not persistent: derived from the config, so checkpoints hold parameters only.
@@ -238,7 +238,8 @@ class GPT(nn.Module):
         return self.norm_f(x)
 
     def _logits(self, hidden: Tensor) -> Tensor:
-        """The tied readout; under µP of hidden / m (the same as logits / m, as the head is linear)."""
+        """The tied readout; under µP of hidden x mup_output_mult / m (the same as scaling the logits,
+        as the head is linear)."""
         return self.lm_head(hidden if self.logit_mult is None else hidden * self.logit_mult)
 
     def forward(

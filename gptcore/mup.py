@@ -22,7 +22,12 @@ one that works with tied embeddings), as microsoft/mup's MuReadout / MuSharedRea
 - Output: logits x 1/m. The head is the token embedding (tied), whose entries do not shrink with
   width; summing d_model of them against a hidden state they have learned to align with grows
   like m. The multiplier is applied to the final hidden state, so the weights stay tied (and
-  `gptcore.hf` folds it into the final norm's gain for export).
+  `gptcore.hf` folds it into the final norm's gain for export). `model.mup_output_mult` (µP's
+  output_mult, default 1) scales the logits at the base width: a hyperparameter that µP
+  transfers like the learning rate, worth searching on the proxy. GPT-2's init gives small
+  logits (0.02 x sqrt(d_model) at init), and under SP they grow with width, which is much of
+  why a wider SP model trains faster on a short budget; µP keeps the base width's scale, so
+  that scale is best tuned there (benchmarks/mup_transfer.py measures it).
 - Attention: µP's rule is q.k / d_head rather than / sqrt(d_head), so that attention logits
   do not grow as d_head grows. Here widths grow by adding heads (d_ff and n_head scale with
   d_model, d_head is fixed, and `gptrun transfer` refuses another d_head), so the two rules differ

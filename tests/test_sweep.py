@@ -204,6 +204,7 @@ def test_killed_sweep_resumes_without_losing_or_repeating_trials(tiny_data, tmp_
         ("sweep.space.lrr={ uniform = [0.1, 0.2] }", "not a config key that can be searched"),
         ("resources.gpus_per_worker=1", "needs"),
         ("optim.warmup=0.5", "lies outside its sweep.space range"),
+        ("sweep.space.batch_size={ choice = [4, 0] }", "train.batch_size=0 must be > 0"),
     ],
 )
 def test_bad_sweep_configs_are_one_line(tiny_data, tmp_path, override, needle):
