@@ -55,15 +55,23 @@ chat-demo: install
 test: install test-services
 	$(BIN)/python -m pytest -q tests
 
-# tests/test_backends.py starts a real PostgreSQL server (initdb + pg_ctl in a temp folder): install
-# Debian's server package when its binaries are missing (needs root and apt, as on CI). Without
-# them those tests fail with the reason; they are never skipped.
+# Debian packages, installed as root with apt when missing (as on CI); elsewhere a note says how.
+define apt_install
+if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(1); \
+else echo "note: missing $(1); run 'apt-get install $(1)' as root" >&2; fi
+endef
+
+# Servers the tests start in temp folders: PostgreSQL (tests/test_backends.py: initdb + pg_ctl)
+# and Slurm (tests/test_slurm.py: munged, slurmctld, slurmd, sbatch). Without them those tests
+# fail with the reason; they are never skipped.
 PG_INITDB = $(wildcard $(addsuffix /initdb,$(shell pg_config --bindir 2>/dev/null) /usr/lib/postgresql/*/bin))
+SLURM_PACKAGES = slurmctld slurmd slurm-client munge
 test-services:
-	@if [ -n "$(PG_INITDB)" ] || command -v initdb >/dev/null; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; \
-	else echo "note: no PostgreSQL server binaries; run 'apt-get install postgresql' as root" >&2; fi
+	@if [ -z "$(PG_INITDB)" ] && ! command -v initdb >/dev/null; then \
+		$(call apt_install,postgresql); fi
+	@for cmd in munged slurmctld slurmd sbatch; do \
+		command -v $$cmd >/dev/null || { $(call apt_install,$(SLURM_PACKAGES)); break; }; done
 
 # ruff format also checks the python code blocks of every Markdown file (README.md, docs/*.md,
 # cluster/README.md); tests/test_docs.py checks their links and their gptrun command lines.
@@ -71,6 +79,8 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests/test_docs.py
+	@command -v shellcheck >/dev/null || { $(call apt_install,shellcheck); }
+	shellcheck cluster/*.sh
 
 clean:
 	rm -rf $(VENV) data runs sweeps exports

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from gptcore.config import load_config
+from gptcore.device import device_argument
 from gptcore.model import GPT
 from gptcore.optim import AdamW, param_groups
 
@@ -35,9 +36,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30, help="timed steps per optimizer")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per optimizer")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device_argument, default="cpu", help="cpu or cuda[:N]")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = args.device
 
     cfg = load_config(None, ['model.preset="minimind-26m"']).model
     torch.manual_seed(0)

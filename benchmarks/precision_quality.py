@@ -5,7 +5,7 @@ config in-process (gptcore's Trainer, no Ray) under fp32 and bf16 for each seed,
 precisions alternating so that machine-load drift hits both alike, and prints per-seed final
 validation loss, mean +- std per precision, training tokens/s per precision (the median of the
 training windows the trainer reports; evaluation excluded) and the Welch test `gptrun confirm`
-uses (experiments.confirm.compare) on the two sets of losses.
+uses (experiments.noise.compare) on the two sets of losses.
 
     gptrun prepare --corpus shakespeare --out data/shakespeare
     python benchmarks/precision_quality.py [--config experiments/configs/quickstart.toml]
@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from experiments.config import load_experiment
-from experiments.confirm import ALPHA, compare, verdict
+from experiments.noise import ALPHA, compare, verdict
 from gptcore.train import Trainer
 
 PRECISIONS = ("fp32", "bf16")

@@ -22,8 +22,8 @@ import time
 import torch
 
 from experiments.cluster import ray_session
-from experiments.config import RayExperiment, load_experiment
-from experiments.train import build_trainer, checked_for_workers
+from experiments.config import RayExperiment, checked_for_workers, load_experiment
+from experiments.train import build_trainer
 from gptcore.train import Trainer
 
 

@@ -22,6 +22,7 @@ import time
 import torch
 
 from gptcore.config import load_config
+from gptcore.device import device_argument
 from gptcore.mfu import device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, param_groups
@@ -125,7 +126,7 @@ def comma_list(choices: tuple[str, ...]):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--device", type=device_argument, default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--presets", nargs="+", default=["quickstart", "minimind-26m"])
     parser.add_argument("--precision", type=comma_list(("fp32", "bf16")), default=["fp32", "bf16"])
     parser.add_argument("--optimizers", type=comma_list(("torch", "ours")), default=["torch", "ours"])
@@ -138,7 +139,7 @@ def main() -> None:
         "--warmup", type=int, default=-1, help="untimed steps per variant (-1: 1 on CPU, 5 on CUDA)"
     )
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = args.device
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # ops autocast leaves in fp32
     on_cpu = device.type == "cpu"

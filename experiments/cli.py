@@ -27,6 +27,7 @@ examples:
   gptrun export runs/quickstart/checkpoints/best.pt --hf exports/quickstart
   gptrun plan experiments/configs/quickstart.toml
   gptrun sweep experiments/configs/quickstart.toml --name demo
+  gptrun sweep experiments/configs/quickstart.toml --name demo2 --warm-start sweeps/demo
   gptrun resume sweeps/demo
   gptrun confirm sweeps/demo --top 3 --seeds 3
   gptrun report sweeps/demo
@@ -73,22 +74,23 @@ def _prepare_command(sub: Subcommands) -> None:
         "--input", nargs="+", metavar="PATH", help=".txt, .jsonl, .parquet files or folders of them"
     )
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--vocab-size", type=int, default=6400, help="BPE vocabulary (default 6400)")
+    # None: not given (see PRETRAINING_ONLY).
+    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default 6400)")
     p.add_argument(
-        "--text-field", default="text", help="JSONL field / parquet column holding the text (default: text)"
+        "--text-field", default=None, help="JSONL field / parquet column holding the text (default: text)"
     )
     p.add_argument(
         "--val-fraction",
         type=float,
         default=None,
-        help="fraction of documents held out for validation (default: 1%% or enough "
-        "for ~300k tokens, whichever is more, capped at 10%%)",
+        help="fraction held out for validation (default: 1%% of the documents or enough for ~300k "
+        "tokens, whichever is more, capped at 10%%; with --sft 5%%: every 20th conversation)",
     )
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training")
     p.add_argument(
         "--errors",
         choices=("strict", "replace"),
-        default="strict",
+        default=None,
         help="what to do with bytes that are not UTF-8 (default: strict = stop)",
     )
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPUs)")
@@ -105,42 +107,53 @@ def _prepare_command(sub: Subcommands) -> None:
         action="store_true",
         help='conversations for SFT: chat .jsonl files ({"conversations": [{"role", "content"}, ...]} '
         "per line), or with --corpus shakespeare the built-in toy set; needs --tokenizer "
-        "(the pretraining data's tokenizer.json)",
+        "(the pretraining data's tokenizer.json); takes --val-fraction and --force",
     )
     p.set_defaults(handler=_prepare)
 
 
+# Options of pretraining data only, and why --sft refuses each (given alone, they keep the
+# defaults of gptcore.prepare.prepare).
+PRETRAINING_ONLY = {
+    "vocab_size": "the vocabulary is --tokenizer's",
+    "text_field": 'each line\'s conversation is its "conversations" field',
+    "errors": "chat .jsonl files must be UTF-8",
+    "workers": "the tokenizer's own threads encode conversations",
+    "tokenizer_sample_mb": "--sft trains no tokenizer",
+}
+
+
 def _prepare(args: argparse.Namespace) -> int:
     if args.sft:
-        from gptcore.chat_data import prepare_sft, sft_conversations
+        from gptcore.chat_data import prepare_sft
 
+        for dest, reason in PRETRAINING_ONLY.items():
+            if getattr(args, dest) is not None:
+                raise UserError(f"--{dest.replace('_', '-')} does not apply to --sft ({reason}); drop it")
         if not args.tokenizer:
             raise UserError(
                 "--sft needs --tokenizer: the tokenizer.json of the data the model was pretrained on"
             )
-        conversations, source = sft_conversations(args.input or [], args.corpus)
         prepare_sft(
-            conversations,
-            source=source,
+            args.input or [],
+            args.corpus,
             tokenizer=args.tokenizer,
             out=args.out,
             val_fraction=args.val_fraction,
+            force=args.force,
         )
         return 0
     from gptcore.prepare import prepare
 
+    given = {dest: getattr(args, dest) for dest in PRETRAINING_ONLY if getattr(args, dest) is not None}
     prepare(
         inputs=args.input or [],
         corpus=args.corpus,
         out=args.out,
-        vocab_size=args.vocab_size,
-        text_field=args.text_field,
         val_fraction=args.val_fraction,
         tokenizer=args.tokenizer,
         force=args.force,
-        errors=args.errors,
-        workers=args.workers,
-        tokenizer_sample_mb=args.tokenizer_sample_mb,
+        **given,
     )
     return 0
 
@@ -155,7 +168,12 @@ def _train_command(sub: Subcommands) -> None:
     )
     p.add_argument("config", help="experiment TOML, e.g. experiments/configs/quickstart.toml")
     p.add_argument("--data", default=None, help="prepared data folder (overrides data.dir)")
-    p.add_argument("--out", default=None, help="run folder (overrides train.out)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="run folder: with --local it overrides train.out; on Ray it is the run's folder "
+        "(instead of --storage/--name, default runs/ray/NAME)",
+    )
     p.add_argument("--local", action="store_true", help="train in this process, without Ray")
     p.add_argument("--workers", type=int, default=None, help="DDP workers (resources.workers)")
     p.add_argument("--gpus-per-worker", type=float, default=None)
@@ -193,11 +211,10 @@ def _train(args: argparse.Namespace) -> int:
 
         train_local(cfg)
         return 0
-    from experiments.train import train_on_ray
+    from experiments.train import ray_run_folder, train_on_ray
 
-    return train_on_ray(
-        cfg, address=args.address, storage=args.storage, name=args.name, max_failures=args.max_failures
-    )
+    storage, name = ray_run_folder(args.out, args.storage, args.name)
+    return train_on_ray(cfg, address=args.address, storage=storage, name=name, max_failures=args.max_failures)
 
 
 def _sample_command(sub: Subcommands) -> None:
@@ -229,9 +246,9 @@ def _sample_command(sub: Subcommands) -> None:
         help="with --chat: read the user's turns from stdin, one per line, until EOF",
     )
     p.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
+        "--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint carries)"
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
     p.set_defaults(handler=_sample)
 
 
@@ -271,7 +288,7 @@ def _export_command(sub: Subcommands) -> None:
     )
     p.add_argument("--hf", required=True, metavar="DIR", help="the folder to write (must be new or empty)")
     p.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json (default: the one in the checkpoint's data folder)"
+        "--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint carries)"
     )
     p.add_argument("--force", action="store_true", help="replace a non-empty --hf folder")
     p.set_defaults(handler=_export)
@@ -323,6 +340,13 @@ def _sweep_command(sub: Subcommands) -> None:
     p.add_argument(
         "--restart", action="store_true", help="delete an existing experiment of this name and start over"
     )
+    p.add_argument(
+        "--warm-start",
+        metavar="SWEEP",
+        default=None,
+        help="start TPE from the finished trials of an earlier sweep on the same search space: its "
+        "folder (e.g. sweeps/NAME), or a study name in sweep.storage_url (sets sweep.warm_start)",
+    )
     _add_cluster(p)
     _add_overrides(p)
     p.set_defaults(handler=_sweep)
@@ -332,9 +356,12 @@ def _sweep(args: argparse.Namespace) -> int:
     from experiments.cluster import ray_session
     from experiments.sweep import plan_sweep, run_sweep
 
+    overrides = list(args.overrides)
+    if args.warm_start:
+        overrides.append(f"sweep.warm_start={_toml_str(args.warm_start)}")
     plan = plan_sweep(
         args.config,
-        args.overrides,
+        overrides,
         name=args.name,
         storage=args.storage,
         restart=args.restart,

@@ -150,6 +150,8 @@ _NOT_RAY = {"UNAVAILABLE", "UNIMPLEMENTED", "DEADLINE_EXCEEDED", "INTERNAL", "UN
 
 
 def _resolve_auto() -> str:
+    # Private Ray (checked against Ray 2.60.0): ray._private.services and
+    # ray._private.authentication.authentication_token_setup, as `ray.init(address="auto")` uses them.
     from ray._private.services import canonicalize_bootstrap_address_or_die
 
     try:
@@ -178,7 +180,8 @@ def _split_address(address: str) -> tuple[str, int]:
 
 def _auth_metadata() -> tuple[tuple[str, str], ...]:
     """The authorization header `ray.init` will send: Ray's own token loader, which honours
-    RAY_AUTH_MODE, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH and ~/.ray/auth_token in Ray's order."""
+    RAY_AUTH_MODE, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH and ~/.ray/auth_token in Ray's order.
+    Private Ray: `ray._raylet`'s token loader, checked against Ray 2.60.0."""
     try:
         from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
     except ImportError:  # a Ray without token authentication

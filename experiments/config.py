@@ -45,6 +45,14 @@ class SweepConfig:
     storage_url: str = ""  # Optuna RDB; "" means sqlite in the experiment folder
     confirm_top: int = 0  # after the search, re-run the K best configs (0: no noise check) ...
     confirm_seeds: int = 3  # ... with this many new seeds each, at full budget
+    # TPE for trials that run at once: one model of all parameters (multivariate), trials still
+    # running counted as bad guesses so that K trials asked together spread out (constant liar),
+    # a conditional space (include_zero) modelled in groups (with multivariate). All false:
+    # Optuna's plain, independent TPE.
+    multivariate: bool = True
+    constant_liar: bool = True
+    group: bool = True
+    warm_start: str = ""  # an earlier sweep on the same space (folder, or study name): TPE's history
     space: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -110,3 +118,20 @@ def load_experiment(
 
 def experiment_from_dict(raw: dict[str, Any]) -> RayExperiment:
     return config_from_dict(raw, RayExperiment)
+
+
+def checked_for_workers(cfg: RayExperiment) -> RayExperiment:
+    """Check the data and `train.init_from` in the driver (a bad input would otherwise fail every
+    worker restart, or every trial) and make their paths absolute, since workers do not share the
+    driver's working directory. `gptrun train` on Ray and `gptrun sweep` / `resume` call it
+    before Ray starts."""
+    from gptcore.checkpoint import load_checkpoint, resolve_checkpoint_path
+    from gptcore.train import open_data
+
+    open_data(cfg)
+    raw = cfg.to_dict()
+    raw["data"]["dir"] = str(Path(cfg.data.dir).expanduser().resolve())
+    if cfg.train.init_from:
+        raw["train"]["init_from"] = str(resolve_checkpoint_path(cfg.train.init_from).resolve())
+        load_checkpoint(raw["train"]["init_from"])  # exists and is intact
+    return experiment_from_dict(raw)

@@ -53,15 +53,24 @@ class TrialEvents(Callback):
 
     Tune ends the trials that are running when `sweep.budget` runs out without calling
     `on_trial_complete`: `on_experiment_end` tells their end instead, once the budget is spent
-    (an interrupted sweep's trials are not ended: `gptrun resume` continues them)."""
+    (an interrupted sweep's trials are not ended: `gptrun resume` continues them). What it has
+    told and the budget time spent are saved with Tune's state (`get_state`), so that a resumed
+    sweep counts its budget from the sweep's start, as Tune does, and tells no end twice."""
 
     def __init__(self, exp_dir: Path, full_tokens: int, budget_s: float | None = None) -> None:
         self.exp_dir, self.full_tokens, self.budget_s = exp_dir, full_tokens, budget_s
         self.started_unix = time.time()
+        self.spent_s = 0.0  # budget time spent before this run of the experiment (a resume)
         self.ended: set[str] = set()
 
     def setup(self, **info: Any) -> None:
         self.started_unix = time.time()  # Tune's budget clock starts with the experiment
+
+    def get_state(self) -> dict[str, Any]:
+        return {"ended": sorted(self.ended), "spent_s": self.spent_s + time.time() - self.started_unix}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.ended, self.spent_s = set(state["ended"]), state["spent_s"]
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         append_event(self.exp_dir, {"event": "start", "trial_id": trial.trial_id, "unix": time.time()})
@@ -74,7 +83,7 @@ class TrialEvents(Callback):
         self.ended.add(trial.trial_id)
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
-        if self.budget_s is None or time.time() - self.started_unix < self.budget_s:
+        if self.budget_s is None or self.spent_s + time.time() - self.started_unix < self.budget_s:
             return
         for trial in trials:
             if trial.trial_id not in self.ended and trial.last_result and trial.status != "ERROR":

@@ -30,6 +30,14 @@ def start_experiment(exp_dir: Path, cfg: RayExperiment, meta: dict[str, Any]) ->
     write_text_atomic(exp_dir / META_FILE, json.dumps({"trial_tokens": trial_tokens(cfg), **meta}, indent=1))
 
 
+def trial_dirname(trial: Any) -> str:
+    """`trial_<id>`: Tune's default folder name spells out every sampled value. Tune pickles this
+    function into its saved state by reference, and whoever reads that state (`gptrun report`)
+    imports its module: it lives here, beside the other names of the folder, and not with the
+    Tuner (which brings Ray Train and torch)."""
+    return f"trial_{trial.trial_id}"
+
+
 def is_experiment(exp_dir: Path) -> bool:
     return (exp_dir / CONFIG_FILE).exists() and (exp_dir / META_FILE).exists()
 

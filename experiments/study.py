@@ -26,6 +26,7 @@ from typing import Any
 
 from ray.tune.search.optuna import OptunaSearch
 
+from experiments.private_api import optuna_study, optuna_trials, told_trials
 from experiments.storage import rdb_storage, shown_url
 from gptcore.errors import UserError
 
@@ -40,12 +41,12 @@ class StudySearch(OptunaSearch):
 
     def suggest(self, trial_id: str) -> dict | None:
         params = super().suggest(trial_id)
-        if trial_id in self._ot_trials:
-            self._ot_trials[trial_id].set_user_attr(TUNE_ID, trial_id)
+        if trial_id in optuna_trials(self):
+            optuna_trials(self)[trial_id].set_user_attr(TUNE_ID, trial_id)
         return params
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
-        if trial_id in self._completed_trials or trial_id not in self._ot_trials:
+        if trial_id in told_trials(self) or trial_id not in optuna_trials(self):
             return
         self._record(trial_id, result)
 
@@ -61,21 +62,21 @@ class StudySearch(OptunaSearch):
         from optuna.exceptions import UpdateFinishedTrialError
 
         try:
-            self._ot_trials[trial_id].report(result[self.metric], tokens)
+            optuna_trials(self)[trial_id].report(result[self.metric], tokens)
         except UpdateFinishedTrialError:  # told before the driver was killed: see the module doc
-            self._completed_trials.add(trial_id)
+            told_trials(self).add(trial_id)
             return
         self._reported[trial_id] = tokens
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        if trial_id in self._completed_trials or trial_id not in self._ot_trials:
+        if trial_id in told_trials(self) or trial_id not in optuna_trials(self):
             return super().on_trial_complete(trial_id, result, error)
         import optuna
 
         failed = error or not result or self.metric not in result
         if not failed:
             self._record(trial_id, result)  # the result that ended it reached no on_trial_result
-            if trial_id in self._completed_trials:  # told by a killed driver: see the module doc
+            if trial_id in told_trials(self):  # told by a killed driver: see the module doc
                 return
         if (
             failed
@@ -87,8 +88,8 @@ class StudySearch(OptunaSearch):
             value = None if failed else result[self.metric]
         else:  # Optuna gives a PRUNED trial the value of its last report: the one just recorded
             state, value = optuna.trial.TrialState.PRUNED, None
-        self._ot_study.tell(self._ot_trials[trial_id], value, state=state, skip_if_finished=True)
-        self._completed_trials.add(trial_id)
+        optuna_study(self).tell(optuna_trials(self)[trial_id], value, state=state, skip_if_finished=True)
+        told_trials(self).add(trial_id)
 
 
 def check_new_study(url: str, name: str, replace: bool) -> None:

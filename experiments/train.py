@@ -25,10 +25,9 @@ from experiments.cluster import (
     require_resources,
     verify_shared_storage,
 )
-from experiments.config import RayExperiment, experiment_from_dict
-from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, resolve_checkpoint_path, save_checkpoint
+from experiments.config import RayExperiment, checked_for_workers, experiment_from_dict
+from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from gptcore.errors import DivergedError, UserError
-from gptcore.train import open_data
 
 
 def worker_loop(loop_config: dict[str, Any]) -> dict[str, str]:
@@ -169,19 +168,6 @@ def build_trainer(
     )
 
 
-def checked_for_workers(cfg: RayExperiment) -> RayExperiment:
-    """Check the data and `train.init_from` in the driver (a bad input would otherwise fail every
-    worker restart) and make their paths absolute, since workers do not share the driver's
-    working directory."""
-    open_data(cfg)
-    raw = cfg.to_dict()
-    raw["data"]["dir"] = str(Path(cfg.data.dir).expanduser().resolve())
-    if cfg.train.init_from:
-        raw["train"]["init_from"] = str(resolve_checkpoint_path(cfg.train.init_from).resolve())
-        load_checkpoint(raw["train"]["init_from"])  # exists and is intact
-    return experiment_from_dict(raw)
-
-
 def error_chain(err: BaseException) -> list[BaseException]:
     """`err` and the errors Ray wrapped in it (worker failures, their causes), outermost first."""
     chain: list[BaseException] = []
@@ -207,13 +193,34 @@ def root_message(err: BaseException) -> str:
     return (lines[-1] if lines else type(cause).__name__)[:300]
 
 
+RAY_RUNS = "runs/ray"  # Ray runs' default --storage: apart from `--local` runs (train.out, runs/NAME)
+
+
+def ray_run_folder(out: str | None, storage: str | None, name: str | None) -> tuple[str | None, str | None]:
+    """`--storage` and `--name` of a Ray run, from `--out` when it is given: the run's folder
+    itself (its parent is the storage, its last part the name), as `--out` is for `--local`."""
+    if out is None:
+        return storage, name
+    if storage or name:
+        raise UserError(
+            f"--out {out} names the run folder; give either --out, or --storage and --name "
+            "(the run folder is STORAGE/NAME)"
+        )
+    parent, _, leaf = (
+        (out if "://" in out else str(Path(out).expanduser().resolve())).rstrip("/").rpartition("/")
+    )
+    if not leaf or not parent or parent.endswith(":/"):
+        raise UserError(f"--out {out}: give a folder inside a storage path or URI, e.g. runs/ray/NAME")
+    return parent, leaf
+
+
 def train_on_ray(
     cfg: RayExperiment, *, address: str | None, storage: str | None, name: str | None, max_failures: int
 ) -> int:
     import ray
 
     cfg = checked_for_workers(cfg)
-    storage = check_storage(storage, "runs")
+    storage = check_storage(storage, RAY_RUNS)
     name = name or cfg.name
     if max_failures < -1:
         raise UserError(f"--max-failures={max_failures} must be >= -1 (-1 retries forever)")

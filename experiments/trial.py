@@ -6,8 +6,9 @@ TorchTrainer (controller, worker group, placement group) costs ~25 s before the 
 of a short trial. A trial with `resources.workers > 1` is one Ray Train DDP run, named
 `train-<trial_id>` under `EXPERIMENT/runs/` so that it resumes from its own last checkpoint.
 
-Either way a diverged or failed run reports a bad, finite loss instead of raising, so the sweep
-goes on and the searcher learns that this region is bad.
+Either way a diverged or failed run, or one whose sampled values the config refuses, reports a
+bad, finite loss and its reason instead of raising, so the sweep goes on and the searcher learns
+that this region is bad.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from experiments.budget import is_lean, trial_tokens
 from experiments.config import RayExperiment, experiment_from_dict
+from experiments.private_api import in_tune_session
 from experiments.space import apply_overrides
 from experiments.train import build_trainer, checkpoint_reporter, diverged_loss, resume, root_message
 from gptcore.errors import DivergedError
@@ -30,13 +32,12 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], runs_storage: str) -
     turns the sampled `config` into config values)."""
     from ray import tune
 
-    cfg = apply_overrides(experiment_from_dict(base["config"]), base["space"].overrides(config))
+    cfg = experiment_from_dict(base["config"])  # scores a trial whose sampled values are refused
     try:
+        cfg = apply_overrides(cfg, base["space"].overrides(config))
         outcome = train_here(cfg) if is_lean(cfg) else train_ddp(cfg, runs_storage)
     except Exception as err:  # recorded with its reason; never crashes the sweep
-        from ray.tune.trainable.trainable_fn_utils import _in_tune_session
-
-        if not _in_tune_session():  # ASHA or the budget stopped it, aborting its DDP run: no error
+        if not in_tune_session():  # ASHA or the budget stopped it, aborting its DDP run: no error
             return
         tune.report(
             {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -43,10 +44,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     shared (a data folder on a cluster, an exported model)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
+    tmp = _new_folder(path.parent, f".{path.name}.", ".tmp")
     try:
         yield tmp
         fsync_tree(tmp)
@@ -61,6 +59,15 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         fsync_path(path.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _new_folder(parent: Path, prefix: str, suffix: str) -> Path:
+    """A folder with a fresh random name (64 bits), made with mode 0o777 so that the kernel
+    applies the umask as for any `mkdir`. Reading the umask would mean setting it, process-wide:
+    a file another thread created meanwhile would get umask 0."""
+    folder = parent / f"{prefix}{secrets.token_hex(8)}{suffix}"
+    folder.mkdir(0o777)
+    return folder
 
 
 def fsync_path(path: Path) -> None:

@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -25,21 +26,45 @@ ROLES = ("system", "user", "assistant")
 Conversation = list[dict[str, str]]
 
 
-def read_conversations(path: Path) -> Iterator[Conversation]:
+MAX_LINE_BYTES = 1 << 20  # a longer conversation line is skipped, never read whole (see below)
+
+
+def read_conversations(path: Path, overlong: list[str]) -> Iterator[Conversation]:
     """The conversations of a chat JSONL file, each checked; a bad line raises a UserError that
-    names the file and line."""
+    names the file and line.
+
+    A line over MAX_LINE_BYTES (1 MiB, some 300k tokens) is skipped a chunk at a time and its
+    `path:line` appended to `overlong`: training sees at most a window of `model.seq_len` tokens
+    from a conversation's start, and tokenizing a 32 MB line once took 5 GB of memory."""
     try:
-        f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below, errors need the line number
+        f = open(path, "rb")  # noqa: SIM115 - closed below, errors need the line number
     except OSError as err:
         raise UserError(f"cannot read {path}: {err.strerror}") from None
     with f:
-        number = 0
-        try:
-            for number, line in enumerate(f, start=1):  # noqa: B007 - used by the decode error
-                if line.strip():
-                    yield check_conversation(_parse(line, path, number), f"{path}:{number}")
-        except UnicodeDecodeError:
-            raise UserError(f"{path}:{number + 1} is not UTF-8; convert the file to UTF-8") from None
+        for number, line in enumerate(_bounded_lines(f, MAX_LINE_BYTES), start=1):
+            if line is None:
+                overlong.append(f"{path}:{number}")
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"{path}:{number} is not UTF-8; convert the file to UTF-8") from None
+            if text.strip():
+                yield check_conversation(_parse(text, path, number), f"{path}:{number}")
+
+
+def _bounded_lines(f: BinaryIO, limit: int) -> Iterator[bytes | None]:
+    """Each line of a binary file (its newline excluded), or None for one longer than `limit`
+    bytes, which is read past `limit` bytes at a time."""
+    while line := f.readline(limit + 1):
+        if line.endswith(b"\n"):
+            yield line[:-1]
+        elif len(line) <= limit:  # the last line, without a newline
+            yield line
+        else:
+            while (rest := f.readline(limit)) and not rest.endswith(b"\n"):
+                pass
+            yield None
 
 
 def _parse(line: str, path: Path, number: int) -> object:

@@ -10,8 +10,10 @@ Windows: a training window starts at a conversation start, drawn uniformly per (
 for pretraining, and holds seq_len+1 tokens. A shorter conversation is followed by the next ones
 in the window (packing; their masks hold, and attention crosses the boundary as it does between
 pretraining documents); a longer one is truncated to the window: its tail is never learned, so
-raise seq_len or split such conversations. A window past the end of its shard is padded with
-<|endoftext|>, masked out. Targets the loss skips are IGNORE_INDEX in `y`.
+raise seq_len or split such conversations (`prepare --sft` reports the lengths against common
+seq_len values, and a run's log says how much of its data lies past its own windows). A window
+past the end of its shard is padded with <|endoftext|>, masked out. Targets the loss skips are
+IGNORE_INDEX in `y`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import shutil
 import sys
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +33,7 @@ from tqdm import tqdm
 
 from gptcore.atomic import atomic_dir
 from gptcore.chat import (
+    MAX_LINE_BYTES,
     Conversation,
     encode_conversations,
     read_conversations,
@@ -38,14 +41,15 @@ from gptcore.chat import (
 )
 from gptcore.data import FORMAT_VERSION, IGNORE_INDEX, TokenData, draw
 from gptcore.errors import UserError
-from gptcore.prepare import check_out, reused_tokenizer
+from gptcore.prepare import check_out, input_fingerprint, reused_tokenizer, up_to_date
 from gptcore.tokenizer import file_sha256, require_chat_tokens, save_tokenizer
 
 if TYPE_CHECKING:
     import torch
 
 SHARD_TOKENS = 1 << 24
-ENCODE_BATCH = 512  # conversations per tokenizer call (the Rust tokenizer threads over a batch)
+ENCODE_BATCH = 512  # conversations per tokenizer call (the Rust tokenizer threads over a batch) ...
+ENCODE_BATCH_CHARS = 1 << 20  # ... or this many characters of content, whichever comes first
 
 
 class ChatData(TokenData):
@@ -92,6 +96,32 @@ class ChatData(TokenData):
         picks = draw(counts, seed, step, micro, rank, world_size, batch_size, grad_accum)
         return self._windows("train", picks, seq_len)
 
+    def beyond_windows(self, seq_len: int) -> str:
+        """For a run's log: the train conversations longer than a window (seq_len + 1 tokens
+        from their start), and their assistant tokens past it, which training never sees."""
+        longer = past = longest = 0
+        for starts, shard, mask in zip(
+            self._starts["train"], self._shards["train"], self._masks["train"], strict=True
+        ):
+            ends = np.append(starts[1:], len(shard))
+            lengths = ends - starts - 1  # without the <|endoftext|> after each conversation
+            longest = max(longest, int(lengths.max(initial=0)))
+            for i in np.flatnonzero(lengths > seq_len + 1):
+                longer += 1
+                past += int(mask[starts[i] + seq_len + 1 : ends[i]].sum())
+        train = self.meta["splits"]["train"]
+        if not longer:
+            return (
+                f"SFT data: every train conversation fits a window of model.seq_len={seq_len} "
+                f"(the longest has {longest:,} tokens)"
+            )
+        return (
+            f"SFT data: {longer:,} of {train['conversations']:,} train conversations are longer than a "
+            f"window of model.seq_len={seq_len} (the longest has {longest:,} tokens); {past:,} of their "
+            f"assistant tokens ({100 * past / max(train['learned'], 1):.1f}% of all) lie past it and are "
+            "never learned: raise seq_len or split such conversations"
+        )
+
     def num_val_windows(self, seq_len: int, eval_tokens: int) -> int:
         """One window per val conversation, from the first, for about eval_tokens tokens (>= 1)."""
         conversations = sum(len(s) for s in self._starts["val"])
@@ -133,19 +163,28 @@ def open_prepared(dir: str | os.PathLike) -> TokenData:
     return ChatData(dir) if data.meta.get("kind") == "sft" else data
 
 
+# Common model.seq_len values: prepare does not know the model's, so it reports against these.
+REPORTED_SEQ_LENS = (128, 256, 512, 1024, 2048, 4096)
+
+
 def prepare_sft(
-    conversations: Iterable[Conversation],
+    inputs: Sequence[str | os.PathLike],
+    corpus: str | None,
     *,
-    source: dict,
     tokenizer: str | os.PathLike,
     out: str | os.PathLike,
     val_fraction: float | None = None,
+    force: bool = False,
     progress: bool = True,
 ) -> dict:
-    """Tokenize conversations with a pretraining tokenizer into an SFT data folder; return its meta.
+    """Tokenize conversations (chat JSONL `inputs`, or the toy set of a built-in `corpus`) with a
+    pretraining tokenizer into an SFT data folder; return its meta.json.
 
-    Every `round(1 / val_fraction)`-th conversation (default every 20th) goes to val. A bad
-    conversation stops the run before the folder appears."""
+    Every `round(1 / val_fraction)`-th conversation (default every 20th) goes to val. As for
+    `gptrun prepare`, a rerun with the same inputs and options is a no-op and `force` rebuilds.
+    A bad conversation stops the run before the folder appears; a line over MAX_LINE_BYTES is
+    skipped and counted. The summary gives the distribution of conversation lengths against
+    common `model.seq_len` values, since training sees one window from a conversation's start."""
     out, tokenizer = Path(out), Path(tokenizer)
     check_out(out)
     val_fraction = 0.05 if val_fraction is None else val_fraction
@@ -154,6 +193,18 @@ def prepare_sft(
     every = max(2, round(1 / val_fraction))
     tok = reused_tokenizer(tokenizer)
     require_chat_tokens(tok, tokenizer)
+    overlong: list[str] = []
+    conversations, source = sft_conversations(inputs, corpus, overlong)
+    options = {
+        "sft": True,
+        "val_fraction": val_fraction,
+        "tokenizer": file_sha256(tokenizer),
+        "max_line_bytes": MAX_LINE_BYTES,
+    }
+    fingerprint = input_fingerprint([source], options)
+    if not force and (meta := up_to_date(out, fingerprint, side_files=("mask", "starts"))):
+        return meta
+    lengths = array("I")  # tokens of each conversation, for the summary
     with atomic_dir(out) as tmp:
         save_tokenizer(tok, tmp)
         shutil.copyfile(tokenizer, tmp / "tokenizer.json")  # byte for byte: checkpoints match its sha256
@@ -162,11 +213,12 @@ def prepare_sft(
         bar = functools.partial(tqdm, file=sys.stderr, disable=None if progress else True)
         for index, (ids, mask) in enumerate(_encoded(tok, bar(conversations, desc="encoding", unit=" conv"))):
             writers["val" if index % every == every - 1 else "train"].add(ids, mask)
+            lengths.append(len(ids))
         splits = {split: writer.close() for split, writer in writers.items()}
         for split, counts in splits.items():
             if not counts["conversations"]:
                 raise UserError(
-                    f"{source.get('path') or source.get('corpus')}: too few conversations for a "
+                    f"{source.get('inputs') or source.get('corpus')}: too few conversations for a "
                     f"{split} split (every {every}th goes to val); give more conversations"
                 )
         meta = {
@@ -176,26 +228,68 @@ def prepare_sft(
             "vocab_size": tok.get_vocab_size(),
             "eot_id": eot,
             "splits": splits,
+            "conversation_tokens": _length_summary(np.frombuffer(lengths, dtype=np.uint32)),
+            "overlong_lines": {"skipped": len(overlong), "first": overlong[:10]},
             "sources": [source],
-            "options": {"val_fraction": val_fraction, "tokenizer": file_sha256(tokenizer)},
+            "options": options,
+            "fingerprint": fingerprint,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    t, v = splits["train"], splits["val"]
-    print(
-        f"{out}: {t['conversations']} train / {v['conversations']} val conversations, "
-        f"{t['tokens']} / {v['tokens']} tokens, {100 * t['learned'] / max(t['tokens'], 1):.0f}% of "
-        "train tokens learned (assistant turns)"
-    )
+    _print_summary(out, meta)
     return meta
 
 
+def _length_summary(lengths: np.ndarray) -> dict:
+    """Conversation lengths in tokens: median, 99th percentile, max, and how many are longer
+    than a window (seq_len + 1 tokens) of each common seq_len."""
+    return {
+        "median": int(np.median(lengths)),
+        "p99": int(np.percentile(lengths, 99)),
+        "max": int(lengths.max()),
+        "longer_than_window": {str(n): int((lengths > n + 1).sum()) for n in REPORTED_SEQ_LENS},
+    }
+
+
+def _print_summary(out: Path, meta: dict) -> None:
+    t, v = meta["splits"]["train"], meta["splits"]["val"]
+    lengths = meta["conversation_tokens"]
+    longer = lengths["longer_than_window"]
+    print(
+        f"{out}: {t['conversations']:,} train / {v['conversations']:,} val conversations, "
+        f"{t['tokens']:,} / {v['tokens']:,} tokens; {100 * t['learned'] / max(t['tokens'], 1):.0f}% of "
+        "train tokens are assistant turns (what the loss is on, within a training window)"
+    )
+    print(
+        f"  conversation tokens: median {lengths['median']:,}, 99th percentile {lengths['p99']:,}, "
+        f"max {lengths['max']:,}; longer than a window of model.seq_len "
+        + " / ".join(longer)
+        + ": "
+        + " / ".join(f"{n:,}" for n in longer.values())
+        + " (a window starts at a conversation; the rest of a longer one is never learned: "
+        "gptrun train says how much for its seq_len)"
+    )
+    overlong = meta["overlong_lines"]
+    if overlong["skipped"]:
+        n = overlong["skipped"]
+        shown = ", ".join(overlong["first"][:3]) + (f" and {n - 3:,} more" if n > 3 else "")
+        print(
+            f"  skipped {n:,} line{'s' * (n != 1)} over {MAX_LINE_BYTES >> 20} MiB (far longer than "
+            f"any window, not tokenized): {shown}; split such conversations"
+        )
+
+
 def _encoded(tok, conversations: Iterable[Conversation]) -> Iterator[tuple[list[int], list[int]]]:
+    """(ids, mask) per conversation, tokenized in batches of ENCODE_BATCH conversations or
+    ENCODE_BATCH_CHARS characters of content, whichever comes first: the tokenizer's offsets
+    take some 100 bytes per token, so a batch's memory is bounded by its text."""
     batch: list[Conversation] = []
+    chars = 0
     for messages in conversations:
         batch.append(messages)
-        if len(batch) == ENCODE_BATCH:
+        chars += sum(len(m["content"]) for m in messages)
+        if len(batch) == ENCODE_BATCH or chars >= ENCODE_BATCH_CHARS:
             yield from encode_conversations(tok, batch)
-            batch = []
+            batch, chars = [], 0
     if batch:
         yield from encode_conversations(tok, batch)
 
@@ -239,11 +333,16 @@ class _ChatShardWriter:
         return {"shards": self.shards, **self.counts}
 
 
-def sft_conversations(inputs: list[str], corpus: str | None) -> tuple[Iterator[Conversation], dict]:
-    """The conversations `gptrun prepare --sft` reads, and the source record for meta.json:
-    chat JSONL files, or the toy set built from a built-in corpus."""
+def sft_conversations(
+    inputs: Sequence[str | os.PathLike], corpus: str | None, overlong: list[str]
+) -> tuple[Iterator[Conversation], dict]:
+    """The conversations `gptrun prepare --sft` reads (lazily), and the source record for
+    meta.json and the rerun check: chat JSONL files (resolved paths and sha256, hashed now), or
+    the toy set built from a built-in corpus. Lines skipped for their size go to `overlong`."""
     from gptcore.corpora import open_corpus
 
+    if bool(corpus) == bool(inputs):
+        raise UserError("give exactly one of --corpus NAME or --input PATH...")
     if corpus:
         if corpus != "shakespeare":
             raise UserError(
@@ -255,5 +354,8 @@ def sft_conversations(inputs: list[str], corpus: str | None) -> tuple[Iterator[C
     for path in paths:
         if path.suffix != ".jsonl" or not path.is_file():
             raise UserError(f"--sft reads chat .jsonl files; {path} is not one")
-    conversations = (c for path in paths for c in read_conversations(path))
-    return conversations, {"inputs": [str(p) for p in paths], "sha256": [file_sha256(p) for p in paths]}
+    conversations = (c for path in paths for c in read_conversations(path, overlong))
+    return conversations, {
+        "inputs": [str(p.resolve()) for p in paths],
+        "sha256": [file_sha256(p) for p in paths],
+    }

@@ -1,8 +1,10 @@
 """Checkpoints: one `.pt` file that holds everything needed to resume a run bit for bit.
 
 Contents: fp32 model weights, optimizer state, step and data position, tokens seen, guard state,
-RNG states, the full config and the tokenizer hash. Everything is a tensor or a plain Python value
-so that `torch.load(weights_only=True)` can read it.
+RNG states, the full config, and the tokenizer (tokenizer.json's text, a few hundred KB) with its
+hash, so that a checkpoint copied to another folder or machine samples and exports without the
+data folder it was trained on. Everything is a tensor or a plain Python value so that
+`torch.load(weights_only=True)` can read it.
 
 Layout: the `torch.save` payload, then a 48-byte trailer (a magic tag and the sha256 of every
 payload byte). The digest covers the metadata (step, data position, RNG, config) as well as the

@@ -18,6 +18,7 @@ import tomli_w
 import tomllib
 
 from gptcore.data import VOCAB_LIMIT
+from gptcore.device import check_device_name
 from gptcore.errors import UserError
 
 # Model presets. `minimind-26m` is the MiniMind recipe (llama blocks, GQA with 2 KV heads; its
@@ -169,7 +170,7 @@ class TrainConfig:
     batch_size: int = 16  # micro-batch per worker
     grad_accum: int = 1
     max_steps: int = 1000
-    max_tokens: int = 0  # when > 0, the run stops at this many tokens (overrides max_steps)
+    max_tokens: int = 0  # when > 0, the run stops at this many tokens (max_steps is then unused)
     eval_interval: int = 100
     eval_tokens: int = 65536
     log_interval: int = 10
@@ -211,8 +212,7 @@ class TrainConfig:
                 f"multiple of train.eval_interval={self.eval_interval} (checkpoints "
                 "are taken at evaluations)"
             )
-        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
-            raise UserError(f"train.device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
+        check_device_name(self.device, "train.device")
         require_choice("train.precision", self.precision, PRECISIONS)
         require_choice("train.stage", self.stage, STAGES)
 
@@ -284,6 +284,16 @@ def run_budget(cfg: ExperimentConfig, world_size: int = 1) -> Budget:
     return Budget(per_step, steps)
 
 
+def run_length(cfg: ExperimentConfig, world_size: int = 1) -> str:
+    """The run's length and the key that sets it, for a run's first log line: a file that sets
+    `train.max_tokens` keeps `train.max_steps` (its default, at least), which is then unused."""
+    t, budget = cfg.train, run_budget(cfg, world_size)
+    size = f"run length: {budget.total_steps:,} steps of {budget.tokens_per_step:,} tokens"
+    if t.max_tokens:
+        return f"{size} (train.max_tokens={t.max_tokens:,}; train.max_steps is unused)"
+    return f"{size} (train.max_steps)"
+
+
 def sections(cls: type[ExperimentConfig] = ExperimentConfig) -> list[str]:
     """The TOML tables of a config class: gptcore's own, plus any a subclass adds."""
     return [f.name for f in fields(cls) if f.name != "name"]
@@ -306,9 +316,40 @@ def load_config(
         raw = _deep_copy(base)
     if path is not None:
         raw = _read_toml(Path(path))
-    for item in overrides:
-        _apply_override(raw, item, sections(cls))
+    given = [_apply_override(raw, item, sections(cls)) for item in overrides]
+    _one_run_length(raw, given, f"{path}" if path is not None else "the base config")
     return config_from_dict(raw, cls)
+
+
+RUN_LENGTH_KEYS = ("max_steps", "max_tokens")  # [train]: two ways to say how long a run is
+
+
+def _one_run_length(raw: dict[str, Any], given: list[str], origin: str) -> None:
+    """Make a `--set` of `train.max_steps` or `train.max_tokens` the run's length: it clears the
+    other key of the file, which would otherwise win (max_tokens) or be ignored. A cleared key is
+    said on stdout, and the run's first log line (`run_length`) names the key in force. Setting
+    a key to 0 clears nothing; both set to a length on the command line is refused."""
+    train = raw.get("train")
+    if not isinstance(train, dict):
+        return
+    lengths = [k for k in RUN_LENGTH_KEYS if f"train.{k}" in given and _is_length(train.get(k))]
+    if len(lengths) == 2:
+        raise UserError(
+            "--set gives both train.max_steps and train.max_tokens; they are two ways to say the "
+            "run's length: set one"
+        )
+    if not lengths:
+        return
+    (key,) = lengths
+    other = next(k for k in RUN_LENGTH_KEYS if k != key)
+    if f"train.{other}" in given or not _is_length(train.get(other)):
+        return
+    print(f"run length: --set train.{key}={train[key]} clears train.{other}={train[other]} (set in {origin})")
+    train[other] = 0
+
+
+def _is_length(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def config_from_dict(raw: dict[str, Any], cls: type[C] = ExperimentConfig) -> C:
@@ -391,7 +432,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise UserError(f"config file {path} is not valid TOML: {err}") from None
 
 
-def _apply_override(raw: dict[str, Any], item: str, known: list[str]) -> None:
+def _apply_override(raw: dict[str, Any], item: str, known: list[str]) -> str:
+    """Set one `section.key=value` in `raw`; returns the key."""
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -409,6 +451,7 @@ def _apply_override(raw: dict[str, Any], item: str, known: list[str]) -> None:
     if not path and leaf != "name":
         raise UserError(f"--set {key}: give section.key, e.g. optim.{leaf}{_did_you_mean(leaf, known)}")
     node[leaf] = value
+    return key
 
 
 def _did_you_mean(word: str, options: list[str], section: str = "") -> str:

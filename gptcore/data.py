@@ -11,6 +11,7 @@ is imported where batches become tensors.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -86,6 +87,24 @@ class TokenData:
                 f"uint16; re-run `gptrun prepare --out {self.dir} --force`"
             )
         return shard
+
+    def tokenizer_text(self) -> str:
+        """The folder's tokenizer.json, as text, checked to be the one its shards were made with
+        (the sha256 in meta.json). Checkpoints carry it, so that they sample and export away from
+        this folder."""
+        try:
+            data = self.tokenizer_path.read_bytes()
+        except OSError as err:
+            raise UserError(
+                f"{self.tokenizer_path} is missing or unreadable ({err.strerror}); re-run "
+                f"`gptrun prepare --out {self.dir} --force`"
+            ) from None
+        if hashlib.sha256(data).hexdigest() != self.tokenizer_sha256:
+            raise UserError(
+                f"{self.tokenizer_path} is not the tokenizer the shards of {self.dir} were made with "
+                f"(its sha256 is not the one in meta.json); re-run `gptrun prepare --out {self.dir} --force`"
+            )
+        return data.decode("utf-8")
 
     def __reduce__(self) -> tuple:
         """Pickle as the folder path: memory maps would otherwise be copied whole (Ray)."""

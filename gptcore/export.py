@@ -37,8 +37,8 @@ def export_hf(
     if out.is_dir() and any(out.iterdir()) and not force:
         raise UserError(f"--hf {out} is not empty; pass --force to replace it, or give a new folder")
     model, state = load_model(checkpoint, torch.device("cpu"))
-    tok, tok_path = checkpoint_tokenizer(state, tokenizer)
-    require_chat_tokens(tok, tok_path)
+    tok, tok_source = checkpoint_tokenizer(state, tokenizer)
+    require_chat_tokens(tok, tok_source)
     hf_model = build_hf_model(model)  # refuses what the HF class cannot hold (gpt2 with GQA)
 
     import transformers  # present: build_hf_model needs it too

@@ -6,15 +6,20 @@ tensor-core figure from the vendor's datasheet, the convention of PaLM and nanoG
 on a GPU is measured against that same bf16 figure (its log says so), so it reports a low MFU on
 purpose. A CPU has no datasheet figure we can look up portably, so its fp32 and bf16 matmul peaks
 are measured once per (CPU model, thread count, torch version) and cached on disk; the two also
-decide `train.precision = "auto"` on a CPU. Other processes busy during that one measurement lower
-the figure (and inflate every later MFU): delete the cache file to measure again.
+decide `train.precision = "auto"` on a CPU. gptrun's own processes take turns (a file lock beside
+the cache: one measures, the others wait and read its figure), but other processes busy during
+that one measurement lower the figure (and inflate every later MFU): delete the cache file to
+measure again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -110,21 +115,42 @@ def _cpu_peak_flops(key: str, dtype: torch.dtype) -> float:
     if key in _measured:
         return _measured[key]
     path = cache_dir() / _CACHE_FILE
+    with _cache_lock(path):
+        table = _read_cache(path)
+        if not isinstance(table.get(key), (int, float)):
+            table[key] = _measure_matmul_flops(dtype=dtype)
+            try:
+                with atomic_file(path) as tmp:
+                    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+            except OSError:
+                pass  # a read-only cache only costs a re-measurement next time
+    _measured[key] = float(table[key])
+    return _measured[key]
+
+
+def _read_cache(path: Path) -> dict:
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
-        table = {}
-    if not isinstance(table, dict):
-        table = {}
-    if not isinstance(table.get(key), (int, float)):
-        table[key] = _measure_matmul_flops(dtype=dtype)
-        try:
-            with atomic_file(path) as tmp:
-                tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        except OSError:
-            pass  # a read-only cache only costs a re-measurement next time
-    _measured[key] = float(table[key])
-    return _measured[key]
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+@contextlib.contextmanager
+def _cache_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on a file beside the cache while reading it and measuring. Trials
+    starting together on a fresh node would otherwise all measure at once, each on a share of
+    the CPU, and cache a fraction of its peak; with it one measures and the others wait, then
+    read its figure. Where the cache folder cannot be written there is no lock (and no cache)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 - closed below
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file is closed
+        yield
 
 
 def _measure_matmul_flops(n: int = 1024, seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:

@@ -93,9 +93,8 @@ def prepare(
         "tokenizer": file_sha256(tokenizer) if tokenizer else None,
         "tokenizer_sample_mb": None if tokenizer else tokenizer_sample_mb,
     }
-    fingerprint = _fingerprint(sources, options)
-    if not force and (meta := _up_to_date(out, fingerprint)):
-        print(f"{out} is up to date (use --force to rebuild)")
+    fingerprint = input_fingerprint([s.record for s in sources], options)
+    if not force and (meta := up_to_date(out, fingerprint)):
         return meta
 
     bar = functools.partial(tqdm, file=sys.stderr, disable=None if progress else True)
@@ -104,6 +103,7 @@ def prepare(
         bar(docs(), desc="reading", unit=" docs"), val_fraction, tokenizer_sample_mb * 1e6
     )
     timings = {"read": time.perf_counter() - started}
+    docs = functools.partial(_documents, sources, len(in_val))
 
     if tok is None:
         tok = train_tokenizer(
@@ -186,33 +186,50 @@ def reused_tokenizer(path: Path) -> Tokenizer:
     return tok
 
 
-def _fingerprint(sources: list[Source], options: dict) -> str:
-    """What the output depends on; equal fingerprints mean a rerun would write the same."""
+def input_fingerprint(records: list[dict], options: dict) -> str:
+    """What the output depends on (the sources' records, with their sha256, and the options);
+    equal fingerprints mean a rerun would write the same."""
     blob = json.dumps(
-        {"format_version": FORMAT_VERSION, "sources": [s.record for s in sources], "options": options},
-        sort_keys=True,
+        {"format_version": FORMAT_VERSION, "sources": records, "options": options}, sort_keys=True
     )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _up_to_date(out: Path, fingerprint: str) -> dict | None:
-    """The existing meta.json if `out` is complete and was built from the same inputs."""
+def up_to_date(out: Path, fingerprint: str, side_files: tuple[str, ...] = ()) -> dict | None:
+    """The existing meta.json if `out` is complete (its tokenizer, every shard and each shard's
+    `side_files`, e.g. "mask" for `shard_00000.mask.npy`) and was built from the same inputs;
+    says so on stdout. A rerun of the same command is then a no-op."""
     try:
         meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
-        files = ["tokenizer.json"] + [s for split in meta["splits"].values() for s in split["shards"]]
+        shards = [s for split in meta["splits"].values() for s in split["shards"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if meta.get("fingerprint") == fingerprint and all((out / f).is_file() for f in files):
-        return meta
-    return None
+    files = [
+        "tokenizer.json",
+        *shards,
+        *(s.replace(".npy", f".{side}.npy") for s in shards for side in side_files),
+    ]
+    if meta.get("fingerprint") != fingerprint or not all((out / f).is_file() for f in files):
+        return None
+    print(f"{out} is up to date (use --force to rebuild)")
+    return meta
 
 
-def _documents(sources: list[Source]) -> Iterator[str]:
-    """All non-blank documents of all sources, in order (the index is the document's id)."""
+def _documents(sources: list[Source], count: int | None = None) -> Iterator[str]:
+    """All non-blank documents of all sources, in order (the index is the document's id).
+
+    Each pass over an input file ends with a check that the file is the one hashed, and passes
+    after the first give `count`, the first pass's document count: an input that changes while
+    prepare reads it is refused in one line that names it, before anything is written."""
+    seen = 0
     for source in sources:
         for doc in source.documents():
             if doc and not doc.isspace():
+                seen += 1
+                if count is not None and seen > count:
+                    raise source.changed()
                 yield doc
+        source.check_unchanged()
 
 
 def _split(

@@ -57,7 +57,7 @@ def train_local(cfg: ExperimentConfig) -> dict[str, float]:
     run.best_val = trainer.best_val_loss
     try:
         result = trainer.fit(run.on_report)
-    except KeyboardInterrupt:  # fit lets Ctrl-C through between steps only
+    except KeyboardInterrupt:  # fit lets Ctrl-C through between steps (after their evaluations) only
         save_checkpoint(last, trainer.state_dict())
         print(
             f"\ninterrupted at step {trainer.step}; checkpoint saved to {last}; "

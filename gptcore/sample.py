@@ -8,6 +8,7 @@ stdin and keeps the conversation, dropping its oldest exchanges when it outgrows
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -17,11 +18,11 @@ import torch
 from tokenizers import Tokenizer
 
 from gptcore.checkpoint import load_checkpoint
+from gptcore.device import resolve_device
 from gptcore.errors import UserError
 from gptcore.lora import model_from_state
 from gptcore.model import GPT
 from gptcore.tokenizer import EOT, IM_END, file_sha256, load_tokenizer, render_chat, require_chat_tokens
-from gptcore.train import resolve_device
 
 Message = dict[str, str]
 
@@ -32,17 +33,32 @@ def load_model(checkpoint: str | Path, device: torch.device) -> tuple[GPT, dict]
     return model_from_state(state).to(device).eval(), state
 
 
-def checkpoint_tokenizer(state: dict, tokenizer: str | Path | None) -> tuple[Tokenizer, Path]:
-    """The tokenizer a checkpoint was trained with: `tokenizer` if given, else the one in its data
-    folder; refused unless its sha256 is the one the checkpoint recorded (other ids, other text)."""
+def checkpoint_tokenizer(state: dict, tokenizer: str | Path | None) -> tuple[Tokenizer, str]:
+    """The tokenizer a checkpoint was trained with, and where it came from (for messages):
+    `tokenizer` if given, else the copy the checkpoint carries, else (a checkpoint written before
+    checkpoints carried one) the one in its data folder. Refused unless its sha256 is the one the
+    checkpoint recorded: another tokenizer maps ids to other text."""
+    carried = state.get("tokenizer_json")
+    if carried is not None and not tokenizer:
+        if hashlib.sha256(carried.encode("utf-8")).hexdigest() != state["tokenizer_sha256"]:
+            raise UserError(
+                "the tokenizer this checkpoint carries is not the one it recorded (sha256 differs); "
+                "pass the original tokenizer.json with --tokenizer"
+            )
+        return Tokenizer.from_str(carried), "of the checkpoint"
     path = Path(tokenizer) if tokenizer else Path(state["config"]["data"]["dir"]) / "tokenizer.json"
+    if not tokenizer and not path.is_file():
+        raise UserError(
+            f"this checkpoint carries no tokenizer (it predates that) and {path}, its data folder's, "
+            "is not found; pass the tokenizer.json it was trained with: --tokenizer PATH"
+        )
     tok = load_tokenizer(path)
     if file_sha256(path) != state["tokenizer_sha256"]:
         raise UserError(
             f"tokenizer {path} is not the one this checkpoint was trained with; "
             "pass the original with --tokenizer"
         )
-    return tok, path
+    return tok, str(path)
 
 
 class Sampler:
@@ -210,10 +226,10 @@ def sample_cli(
         interactive=interactive,
         ignore_eos=ignore_eos,
     )
-    model, state = load_model(checkpoint, resolve_device(device))
-    tok, tok_path = checkpoint_tokenizer(state, tokenizer)
+    model, state = load_model(checkpoint, resolve_device(device, "--device"))
+    tok, tok_source = checkpoint_tokenizer(state, tokenizer)
     if chat:
-        require_chat_tokens(tok, tok_path)
+        require_chat_tokens(tok, tok_source)
     sampler = Sampler(
         model,
         tok,

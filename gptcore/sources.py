@@ -37,6 +37,29 @@ class Source:
 
     record: dict
     documents: Callable[[], Iterator[str]]
+    file: Path | None = None  # an input file, whose every read must see the same bytes
+    signature: tuple[int, int, int] | None = None  # the file's (size, mtime_ns, inode) when hashed
+
+    def check_unchanged(self) -> None:
+        """Refuse a file that changed since it was hashed: prepare reads it once per pass, and
+        passes that see different documents would split and encode different corpora."""
+        if self.file is not None and file_signature(self.file) != self.signature:
+            raise self.changed()
+
+    def changed(self) -> UserError:
+        return UserError(
+            f"{self.file} changed while prepare was reading it; run prepare again once nothing "
+            "writes to it (nothing was written)"
+        )
+
+
+def file_signature(path: Path) -> tuple[int, int, int] | None:
+    """What changes when a file is written to or replaced; None when it is gone."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def open_inputs(
@@ -108,8 +131,9 @@ def _open_file(path: Path, text_field: str, errors: str, hashed: Callable[[int],
         reader = functools.partial(jsonl_documents, path, text_field, errors)
     else:
         reader = functools.partial(txt_documents, path, errors)
+    signature = file_signature(path)  # before hashing: a write during it shows as a change
     record = {"path": str(path.resolve()), "sha256": file_sha256(path, hashed), "bytes": path.stat().st_size}
-    return Source(record, reader)
+    return Source(record, reader, path, signature)
 
 
 def _not_utf8(path: Path, offset: int, where: str = "") -> UserError:

@@ -8,8 +8,9 @@ checkpoint state goes.
 Determinism: every batch is a pure function of (seed, batch index, micro-step, rank), and so are
 the dropout masks (seeded per (seed, rank, batch index): different on every DDP rank), and the
 checkpoint carries the batch index and all RNG states, so a resumed run repeats the uninterrupted
-one exactly on CPU. Ctrl-C is held until the step in progress has finished, so an interrupt
-checkpoint is always taken between steps.
+one exactly on CPU. Ctrl-C is held until the step in progress (and its evaluation, when one is
+due) has finished, so an interrupt checkpoint is always taken between steps and after the
+evaluations up to its step.
 
 Clocks: `step` counts optimizer steps and is the lr schedule's position, so a rollback sets it
 back to the checkpoint's step. `tokens` (`tokens_seen`) counts the tokens of every applied step,
@@ -31,34 +32,24 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from tokenizers import Tokenizer
 from torch import nn
 
 from gptcore.chat_data import ChatData, open_prepared
 from gptcore.checkpoint import load_checkpoint
-from gptcore.config import ExperimentConfig, model_world_config, run_budget
+from gptcore.config import ExperimentConfig, model_world_config, run_budget, run_length
 from gptcore.data import IGNORE_INDEX, TokenData
+from gptcore.device import resolve_device
 from gptcore.errors import DivergedError, UserError
 from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
 from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at, param_groups, set_lr
-from gptcore.tokenizer import load_tokenizer, token_byte_lengths
+from gptcore.tokenizer import token_byte_lengths
 
 SHAPE_KEYS = ("style", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_positions", "vocab_size")
 SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio", "decay_fraction")  # optim.*
 Report = Callable[[dict[str, float], dict[str, Any]], None]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"train.device={name!r} but CUDA is not available here; use cpu or auto")
-    return torch.device(name)
 
 
 BF16_MIN_SPEEDUP = 1.5  # auto on a CPU: bf16 when its matmul is at least this much faster than fp32
@@ -201,8 +192,9 @@ class Trainer:
             dist.broadcast_object_list(choice, src=0)
             self.precision, self.precision_reason = choice
         self.peak_flops, self.peak_source = device_peak_flops(self.device, self.precision)
+        self.tokenizer_json = self.data.tokenizer_text()  # every checkpoint carries its tokenizer
         # UTF-8 bytes of each token id, for bits per byte on exactly the tokens evaluated.
-        self.token_bytes = torch.from_numpy(token_byte_lengths(load_tokenizer(self.data.tokenizer_path))).to(
+        self.token_bytes = torch.from_numpy(token_byte_lengths(Tokenizer.from_str(self.tokenizer_json))).to(
             self.device
         )
         # Progress: a resume restores all of it; a rollback only the weights, optimizer and step.
@@ -364,13 +356,15 @@ class Trainer:
         Returns the last metrics, with `status` "completed"."""
         t = self.cfg.train
         end = self.total_steps if stop_at_step is None else min(stop_at_step, self.total_steps)
+        self.log(run_length(self.cfg, self.world_size))
         if self.step == 0:
             self.log(
                 f"model: {self.model.num_params() / 1e6:.2f}M parameters, "
-                f"{self.flops_per_token / 1e6:.1f} MFLOP/token | {self.total_steps} steps x "
-                f"{self.tokens_per_step} tokens | device {self.device} | precision "
+                f"{self.flops_per_token / 1e6:.1f} MFLOP/token | device {self.device} | precision "
                 f"{self.precision} ({self.precision_reason}) | MFU peak {self.peak_source}"
             )
+            if isinstance(self.data, ChatData):
+                self.log(self.data.beyond_windows(self.cfg.model.seq_len))
             if t.init_from:  # the starting point, so that the log shows what fine-tuning gained
                 self.log(
                     f"eval step 0 (weights of train.init_from) | val loss {self.evaluate()['val_loss']:.4f}"
@@ -379,20 +373,22 @@ class Trainer:
         reported_step = -1
         window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
         while self.step < end:
+            # Ctrl-C waits for the step and its scheduled evaluation: a checkpoint taken between
+            # the two would resume after the step, and its evaluation would never be recorded.
             with hold_interrupts():
                 step_metrics = self.train_step()
-            window_steps += 1
-            window_data += step_metrics["data_seconds"]
-            reporting = self.step % t.eval_interval == 0 or self.step == self.total_steps
-            if self.step % t.log_interval == 0 or reporting:
-                elapsed = time.perf_counter() - window_start
-                metrics = self._throughput(step_metrics, elapsed, window_steps, window_data)
-                self._log_progress(metrics)
-                window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
-            if reporting and not step_metrics["skipped"]:
-                metrics = self._report(metrics, on_report)
-                reported_step = self.step
-                window_start = time.perf_counter()  # eval time is not training time
+                window_steps += 1
+                window_data += step_metrics["data_seconds"]
+                reporting = self.step % t.eval_interval == 0 or self.step == self.total_steps
+                if self.step % t.log_interval == 0 or reporting:
+                    elapsed = time.perf_counter() - window_start
+                    metrics = self._throughput(step_metrics, elapsed, window_steps, window_data)
+                    self._log_progress(metrics)
+                    window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
+                if reporting and not step_metrics["skipped"]:
+                    metrics = self._report(metrics, on_report)
+                    reported_step = self.step
+                    window_start = time.perf_counter()  # eval time is not training time
         if reported_step != self.step:  # stopped between evals: report and checkpoint here
             base = {"step": float(self.step), "tokens": float(self.tokens_seen)}
             metrics = self._report({**metrics, **base}, on_report, checkpoint=True)
@@ -475,6 +471,7 @@ class Trainer:
                 "rng": rng,
                 "config": self.cfg.to_dict(),
                 "tokenizer_sha256": self.data.tokenizer_sha256,
+                "tokenizer_json": self.tokenizer_json,
                 "metrics": dict(metrics or {}),
                 "world_size": self.world_size,
                 "precision": self.precision,  # informational: weights and optimizer are fp32

@@ -221,15 +221,8 @@ def chat_data(tiny_data, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("chat")
     source = write_chat_jsonl(root / "chat.jsonl")
-    conversations = [json.loads(line)["conversations"] for line in source.read_text().splitlines()]
     out = root / "data"
-    prepare_sft(
-        conversations,
-        source={"path": str(source)},
-        tokenizer=tiny_data / "tokenizer.json",
-        out=out,
-        progress=False,
-    )
+    prepare_sft([source], None, tokenizer=tiny_data / "tokenizer.json", out=out, progress=False)
     return out
 
 

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
+from scipy.stats import t as student_t
 
 from experiments.config import load_experiment
-from experiments.confirm import compare, measure_noise, noise_line, print_noise, ranked_trials, verdict
+from experiments.confirm import ranked_trials
+from experiments.noise import compare, measure_noise, noise_line, print_noise, verdict
 from experiments.results import load_trials
-from tests.conftest import assert_user_error, run_cli
+from tests.conftest import assert_user_error, run_cli, write_sweep_config
 
 
 def _trial(tid: str, status: str, loss: float, **config: Any) -> dict[str, Any]:
@@ -156,6 +159,33 @@ def test_print_noise_table(capsys: pytest.CaptureFixture[str]) -> None:
     ]
 
 
+def test_only_the_sweep_counts_its_budget(tiny_data: Path, tmp_path: Path) -> None:
+    """`sweep.budget` bounds the sweep, not its confirm: the trial-events callback of a confirm
+    run has no budget clock (with the sweep's, a confirm that outlasted it would announce its
+    interrupted re-runs as "cut by the sweep budget"). No Ray: the Tuners are built, not run."""
+    from ray import tune
+
+    from experiments.confirm import Candidates
+    from experiments.events import TrialEvents
+    from experiments.space import parse_space
+    from experiments.tuner import new_tuner
+
+    cfg = load_experiment(
+        write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8, sweep_keys='budget = "1m"')
+    )
+    (tmp_path / "sweep").mkdir()
+    sweep = new_tuner(cfg, parse_space(cfg), tmp_path / "sweep", 1)
+    grid = {"candidate": tune.grid_search(["a"]), "train.seed": tune.grid_search([1, 2])}
+    confirm = new_tuner(
+        cfg, Candidates({"a": {}}), tmp_path / "confirm", 1, tune_config=tune.TuneConfig(), param_space=grid
+    )
+
+    def events(tuner: Any) -> TrialEvents:  # Ray keeps the RunConfig on its local TunerInternal
+        return next(c for c in tuner._local_tuner.get_run_config().callbacks if isinstance(c, TrialEvents))
+
+    assert (events(sweep).budget_s, events(confirm).budget_s) == (60.0, None)
+
+
 def _confirm_trial_dirs(exp_dir: Path) -> list[Path]:
     return sorted(p for p in (exp_dir / "confirm").iterdir() if p.name.startswith("trial_"))
 
@@ -171,9 +201,20 @@ def test_sweep_reruns_its_best_configs_with_new_seeds(finished_sweep: Path) -> N
         assert row["seeds"] == [sweep_seed + 1, sweep_seed + 2]
         assert len(row["losses"]) == 2 and all(math.isfinite(x) for x in row["losses"])
     assert rows[0]["mean"] <= rows[1]["mean"]  # ranked by the mean over new seeds
-    cmp = noise["comparison"]
-    assert (cmp["best"], cmp["runner_up"]) == (rows[0]["trial_id"], rows[1]["trial_id"])
-    assert 0.0 <= cmp["p_value"] <= 1.0 and cmp["separated"] == (cmp["p_value"] < 0.05)
+    # Welch's test worked out from the stored losses: t, the Welch-Satterthwaite degrees of
+    # freedom, the two-sided p (the statistics are checked on hand-made inputs above).
+    best, runner_up = rows[0]["losses"], rows[1]["losses"]
+    va, vb = statistics.variance(best) / len(best), statistics.variance(runner_up) / len(runner_up)
+    difference = statistics.fmean(runner_up) - statistics.fmean(best)
+    dof = (va + vb) ** 2 / (va**2 / (len(best) - 1) + vb**2 / (len(runner_up) - 1))
+    p = 2 * student_t.sf(abs(difference) / math.sqrt(va + vb), dof)
+    assert noise["comparison"] == {
+        "best": rows[0]["trial_id"],
+        "runner_up": rows[1]["trial_id"],
+        "difference": pytest.approx(difference),
+        "p_value": pytest.approx(p),
+        "separated": bool(p < 0.05),
+    }
     completed = [t for t in load_trials(finished_sweep) if t["status"] == "completed"]
     assert noise["sweep_completed"] == len(completed)  # the figures are tested by hand above
 
@@ -206,7 +247,8 @@ def test_report_shows_the_noise(finished_sweep: Path, tmp_path: Path) -> None:
     image = imread(tmp_path / "noise.png")
     assert image.shape[0] >= 300 and image.shape[1] >= 400
     page = (tmp_path / "report.html").read_text()
-    assert "src='noise.png'" in page and "Seed noise: std" in page
+    assert "<img src='data:image/png;base64," in page and "alt='noise'" in page  # noise.png, inline
+    assert "Seed noise: std" in page
     assert "has not been measured" not in page
 
 

@@ -9,6 +9,7 @@ folders are loaded in a fresh interpreter with HF_HUB_OFFLINE=1, as a user would
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -19,11 +20,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from experiments.cli import main
-from gptcore.checkpoint import CHECKPOINT_FILE, save_checkpoint
+from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from gptcore.config import load_config
 from gptcore.errors import UserError
 from gptcore.export import export_hf
-from gptcore.sample import load_model
+from gptcore.run import train_local
+from gptcore.sample import load_model, sample_cli
 from gptcore.tokenizer import EOT, IM_END, IM_START, render_chat
 from gptcore.train import Trainer
 from tests.conftest import assert_user_error, run_cli, synthetic_documents, tiny_config_text
@@ -178,6 +180,41 @@ def test_a_ray_train_folder_exports_like_its_pt_file(checkpoints, exported, tmp_
     assert sorted(p.name for p in (tmp_path / "from_pt").iterdir()) == from_folder
     for name in from_folder:
         assert (tmp_path / "from_pt" / name).read_bytes() == (exported["gpt2"] / name).read_bytes(), name
+
+
+def test_a_checkpoint_carries_its_tokenizer_away_from_its_data_folder(tiny_data, tmp_path, monkeypatch):
+    """A run on a relative --data: its checkpoint, copied elsewhere as a .pt file and as a Ray
+    Train folder, samples and exports with the data folder gone. A checkpoint from before
+    checkpoints carried their tokenizer still finds it through data.dir, and one carrying
+    another tokenizer than it recorded is refused."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    shutil.copytree(tiny_data, project / "data")
+    monkeypatch.chdir(project)
+    (project / "exp.toml").write_text(tiny_config_text(Path("data"), Path("run")))
+    train_local(load_config(project / "exp.toml", ["train.precision=fp32", "train.max_steps=4"]))
+    state = load_checkpoint("run/checkpoints/last.pt")
+    assert state["config"]["data"]["dir"] == "data"  # saved as given
+    old = save_checkpoint(elsewhere / "old.pt", {k: v for k, v in state.items() if k != "tokenizer_json"})
+    knobs = dict(max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0, seed=0, use_cache=True, device="cpu")
+    expected = sample_cli(str(old), prompt="KING:", tokenizer=None, **knobs)  # found through data.dir
+    ray_folder = elsewhere / "checkpoint_000001"
+    ray_folder.mkdir()
+    shutil.copyfile("run/checkpoints/last.pt", ray_folder / CHECKPOINT_FILE)
+    shutil.copyfile("run/checkpoints/last.pt", elsewhere / "model.pt")
+    monkeypatch.chdir(elsewhere)
+    shutil.rmtree(project)
+    for checkpoint in ("model.pt", ray_folder.name):
+        assert sample_cli(checkpoint, prompt="KING:", tokenizer=None, **knobs) == expected
+    export_hf("model.pt", "hf")
+    original = Tokenizer.from_file(str(tiny_data / "tokenizer.json"))
+    assert Tokenizer.from_file("hf/tokenizer.json").get_vocab() == original.get_vocab()
+    with pytest.raises(UserError, match="carries no tokenizer .* data/tokenizer.json.* --tokenizer PATH"):
+        sample_cli("old.pt", prompt="KING:", tokenizer=None, **knobs)
+    given = sample_cli("old.pt", prompt="KING:", tokenizer=str(tiny_data / "tokenizer.json"), **knobs)
+    assert given == expected
+    other = save_checkpoint("other.pt", {**state, "tokenizer_json": state["tokenizer_json"] + " "})
+    with pytest.raises(UserError, match="carries is not the one it recorded"):
+        export_hf(other, "hf-other")
 
 
 def test_non_empty_folder_needs_force_and_nothing_is_half_written(checkpoints, tmp_path):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from gptcore.data import IGNORE_INDEX
 from gptcore.errors import UserError
 from gptcore.hf import to_hf_state_dict
 from gptcore.model import GPT, KVCache
+from tests.conftest import REPO
 
 V = 97
 
@@ -62,8 +66,7 @@ def tokens(shape: tuple[int, int], seed: int = 1) -> torch.Tensor:
     ids=["gpt2", "llama-gqa", "gpt2-mup", "llama-mup"],
 )
 def test_logits_match_hugging_face(cfg: ModelConfig) -> None:
-    pytest.importorskip("transformers")
-    from gptcore.hf import build_hf_model
+    from gptcore.hf import build_hf_model  # transformers: in the dev extra, never skipped
 
     model = build(cfg, jitter=0.05)
     hf = build_hf_model(model)
@@ -339,6 +342,49 @@ def test_cpu_peaks_are_measured_once_per_precision_and_cached_on_disk(tmp_path, 
     table = json.loads((tmp_path / "cpu_peak_flops.json").read_text())
     key = f"{mfu_mod._cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
     assert table == {key: 4.2e10, f"{key}|bf16": 1.5e11}
+
+
+# A trial process on a fresh node: it waits on stdin, so that two start measuring at once.
+PEAK_CHILD = """
+import sys
+from gptcore import mfu
+real = mfu._measure_matmul_flops
+def measuring(dtype):
+    print("measuring", flush=True)
+    return real(n=256, seconds=0.5, dtype=dtype)
+mfu._measure_matmul_flops = measuring
+print("ready", flush=True)
+sys.stdin.readline()
+print("peak", mfu.cpu_matmul_flops("fp32"), flush=True)
+"""
+
+
+def test_processes_starting_together_measure_the_cpu_peak_once(tmp_path) -> None:
+    """Two measuring at once would each get half the CPU and cache half its peak: a file lock
+    lets one measure while the other waits, then reads the cached figure."""
+    env = {**os.environ, "GPTRUN_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", PEAK_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    for child in children:
+        assert child.stdout.readline() == "ready\n"
+    for child in children:  # both go at once
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    outputs = [child.communicate(timeout=120)[0].split() for child in children]
+    assert [child.returncode for child in children] == [0, 0]
+    assert sum(out.count("measuring") for out in outputs) == 1, outputs
+    peaks = {float(out[-1]) for out in outputs}
+    assert len(peaks) == 1 and peaks == set(
+        json.loads((tmp_path / "cpu_peak_flops.json").read_text()).values()
+    )
 
 
 def test_matmul_rate_is_the_fastest_timed_run(monkeypatch: pytest.MonkeyPatch) -> None:

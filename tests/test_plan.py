@@ -16,10 +16,13 @@ SHIPPED = sorted((Path(__file__).parent.parent / "experiments" / "configs").glob
 
 
 def test_asha_rungs_and_expected_tokens():
+    """By hand: 9 trials train to the first rung at 100 tokens (900 tokens); a third of them, 3,
+    go on to 300 (600 more); 1 goes on to 900 (600 more); a third of a trial on to 1000 (33 1/3
+    more): 2133 1/3 tokens in all. With 2 trials and a factor of 2: 2 x 500 + 1 x 500 = 1500."""
     assert asha_rungs(100, 1000, 3) == [100, 300, 900, 1000]
     assert asha_rungs(1000, 1000, 2) == [1000]
-    # 9 trials reach 100 tokens, 3 go on to 300, 1 to 900 (then 1000).
-    assert expected_tokens(9, [100, 300, 900, 1000], 3) == 9 * 100 + 3 * 200 + 1 * 600 + 100 / 3
+    assert expected_tokens(9, [100, 300, 900, 1000], 3) == pytest.approx(2133.3333333333)
+    assert expected_tokens(2, [500, 1000], 2) == 1500
 
 
 def test_plan_prints_the_cost_and_warns_over_budget(tiny_data, tmp_path):

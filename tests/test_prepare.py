@@ -326,6 +326,34 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, name: s
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("change", ["a-document-more", "a-word-changed"])
+def test_an_input_that_changes_between_passes_is_named_and_nothing_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """The file is written to after the tokenizer pass, before encoding reads it again: with a
+    document more the passes would disagree on the count, with a word changed on the text only."""
+    corpus = tmp_path / "in" / "corpus.txt"
+    corpus.parent.mkdir()
+    corpus.write_text(EOT.join(synthetic_documents(40)), encoding="utf-8")
+    real = prepare.train_tokenizer
+
+    def train_then_write(*args, **kwargs):
+        tok = real(*args, **kwargs)
+        if change == "a-document-more":
+            with open(corpus, "a", encoding="utf-8") as f:
+                f.write(EOT + "KING: One more document.")
+        else:
+            text = corpus.read_text(encoding="utf-8")
+            corpus.write_text(text.replace("king", "kings", 1), encoding="utf-8")
+        return tok
+
+    monkeypatch.setattr(prepare, "train_tokenizer", train_then_write)
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=f"^{corpus} changed while prepare was reading it; run prepare again"):
+        prepare.prepare([corpus], None, out, vocab_size=300, val_fraction=0.1, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]  # no out, no temp folder
+
+
 def test_out_that_is_a_file_or_a_foreign_folder_is_refused(tmp_path: Path) -> None:
     corpus = str(_corpus(tmp_path))
     (tmp_path / "file").write_text("keep me")

@@ -69,6 +69,7 @@ def train_worker_pids() -> list[int]:
     return [a.pid for a in actors if "RayTrainWorker" in a.class_name and a.pid]
 
 
+@pytest.mark.slow  # a DDP kill test: `pytest -m "not slow"` skips it, as the docs say
 def test_killed_worker_restarts_from_checkpoint_and_finishes(ray_local, tiny_data, tmp_path):
     cfg = tiny_cfg(
         tiny_data,
@@ -137,34 +138,59 @@ def test_dead_address_is_one_line_and_fast(tiny_data, tmp_path):
     assert time.monotonic() - start < 30
 
 
-def test_ctrl_c_keeps_the_checkpoint_and_the_same_command_resumes(tiny_data, tmp_path):
+def test_out_is_one_line_beside_storage_or_name(tiny_data, tmp_path):
     config = tmp_path / "exp.toml"
     config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
-    storage = tmp_path / "storage"
-    command = ["train", str(config), "--storage", str(storage), "--name", "ctrlc"]
-    command += ["--set", "train.eval_interval=10", "--set", "model.n_layer=4", "--set", "model.d_model=128"]
-    args = [sys.executable, "-m", "experiments", *command, "--set", "train.max_steps=400"]
+    for flag in ("--storage", "--name"):
+        proc = run_cli("train", str(config), "--out", str(tmp_path / "r"), flag, "x", timeout=60)
+        assert_user_error(proc, "names the run folder", "--storage and --name")
+    assert_user_error(run_cli("train", str(config), "--out", "s3://bucket", timeout=60), "--out s3://bucket")
+    assert not (tmp_path / "r").exists()
+
+
+def test_ctrl_c_keeps_the_checkpoint_and_the_same_command_resumes(tiny_data, tmp_path):
+    """A Ray run goes to `--out` when given, and by default to runs/ray/NAME, apart from the
+    `--local` runs of `train.out` (TensorBoard events of both kinds never mix): here the first
+    run names runs/ray/experiment with --out, and the rerun finds it by default."""
+    config = tmp_path / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))  # train.out: the --local folder
+    run_dir = tmp_path / "runs" / "ray" / "experiment"  # the config has no name: "experiment"
+    command = ["train", str(config), "--set", "train.eval_interval=10"]
+    command += ["--set", "model.n_layer=4", "--set", "model.d_model=128"]
+    args = [
+        sys.executable,
+        "-m",
+        "experiments",
+        *command,
+        "--out",
+        str(run_dir),
+        "--set",
+        "train.max_steps=400",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         deadline = time.monotonic() + 150
-        while committed_step(storage / "ctrlc") == 0 and time.monotonic() < deadline:
+        while committed_step(run_dir) == 0 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert committed_step(storage / "ctrlc") > 0, "no checkpoint was committed"
+        assert committed_step(run_dir) > 0, "no checkpoint was committed"
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
-    kept = committed_step(storage / "ctrlc")
-    assert kept > 0
-    # The same command, shortened on purpose (train.extend) so that the test ends soon.
-    rerun = run_cli(*command, "--set", "train.max_steps=40", "--set", "train.extend=true", timeout=300)
+    kept = committed_step(run_dir)
+    assert kept > 0 and (run_dir / "tensorboard").is_dir() and not (tmp_path / "run").exists()
+    # The same command without --out, shortened on purpose (train.extend) so that the test ends soon.
+    rerun = run_cli(
+        *command, "--set", "train.max_steps=40", "--set", "train.extend=true", cwd=tmp_path, timeout=300
+    )
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"resumed from checkpoint at step {kept}/" in rerun.stdout + rerun.stderr
+    assert committed_step(run_dir) == 40
 
 
 def test_sft_with_lora_runs_as_ddp_on_two_workers(ray_local, chat_data, pretrained, tmp_path, monkeypatch):

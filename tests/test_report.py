@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,7 @@ from experiments.report.page import report_page
 from experiments.results import print_table
 from experiments.space import parse_space
 from experiments.table import fmt_sci, fmt_tokens, print_columns
-from tests.conftest import assert_user_error, run_cli, study_values
+from tests.conftest import REPO, assert_user_error, run_cli, study_values
 
 PNGS = ("curves.png", "params.png")
 PLOTS = ("curves", "params", "contour", "parallel")  # the page's interactive plots (+ importance)
@@ -454,6 +457,28 @@ def test_report_every_trial_failed(finished_sweep: Path, tmp_path: Path) -> None
     check_page(page, out, ("curves",))
     assert "No trial has an evaluation to compare yet." in page and "no best config" in page
     assert page.count("Needs two trials compared at the common budget; there are 0.") == 3
+
+
+def test_report_imports_no_tuner_ray_train_run_or_torch(finished_sweep: Path, tmp_path: Path) -> None:
+    """`gptrun report` reads files and starts no Ray: running it on a finished sweep imports
+    neither the Tuner module nor what runs trials (the trial function, our Ray Train module,
+    Ray's TorchTrainer, torch), nor `gptrun confirm`. (Ray's `ray.train` package itself comes with
+    `ray.tune`, whose ExperimentAnalysis reads Tune's saved state.)"""
+    heavy = ["experiments.tuner", "experiments.trial", "experiments.train", "experiments.confirm"]
+    heavy += ["experiments.sweep", "ray.train.torch", "torch"]
+    code = (
+        "import json, sys\n"
+        "from experiments.report import report_cli\n"
+        f"assert report_cli({str(finished_sweep)!r}, {str(tmp_path)!r}) == 0\n"
+        f"print(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "report.html").is_file()
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
 
 def test_study_holds_every_report_of_every_trial(finished_sweep: Path, tmp_path: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from gptcore.chat import encode_conversations, toy_conversations
-from gptcore.chat_data import ChatData
+from gptcore.chat_data import ChatData, prepare_sft
 from gptcore.checkpoint import load_checkpoint, save_checkpoint
 from gptcore.config import load_config
 from gptcore.data import IGNORE_INDEX
@@ -20,7 +22,14 @@ from gptcore.model import GPT
 from gptcore.sample import load_model
 from gptcore.tokenizer import IM_END, load_tokenizer, render_chat
 from gptcore.train import Trainer
-from tests.conftest import assert_user_error, run_cli, tiny_config_text, write_chat_jsonl
+from tests.conftest import (
+    WORDS,
+    assert_user_error,
+    chat_conversation,
+    run_cli,
+    tiny_config_text,
+    write_chat_jsonl,
+)
 
 SEQ = 32
 
@@ -123,6 +132,93 @@ def test_sft_prepare_needs_a_tokenizer_with_the_chat_tokens(tmp_path):
     proc = run_prepare_sft(source, tmp_path / "bare.json", tmp_path / "o")
     assert_user_error(proc, "<|im_start|>", "chat template")
     assert not (tmp_path / "o").exists()
+
+
+def long_conversation(rng: random.Random, words: int) -> list[dict[str, str]]:
+    return [
+        {"role": "user", "content": "KING: speak"},
+        {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(words))},
+    ]
+
+
+def test_an_overlong_line_is_skipped_unread_and_counted(tiny_data, tmp_path, capsys):
+    """A conversation line over 1 MiB (here 8 MiB, some 2M tokens, of which a window ever sees
+    seq_len) is not read whole nor tokenized: it is counted and named in the summary."""
+    rng = random.Random(0)
+    source = tmp_path / "chat.jsonl"
+    lines = [json.dumps({"conversations": chat_conversation(rng)}) for _ in range(40)]
+    lines[30] = json.dumps({"conversations": long_conversation(rng, 2_000_000)})
+    assert len(lines[30]) > 8 << 20
+    source.write_text("\n".join(lines))  # the last line without a newline
+    tracemalloc.start()
+    try:
+        meta = prepare_sft([source], None, tokenizer=tiny_data / "tokenizer.json", out=tmp_path / "out")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 6 << 20, peak  # the 8 MiB line, read whole and decoded, would be 16 MiB
+    assert meta["overlong_lines"] == {"skipped": 1, "first": [f"{source}:31"]}
+    splits = meta["splits"]
+    assert splits["train"]["conversations"] + splits["val"]["conversations"] == 39
+    out = capsys.readouterr().out
+    assert f"skipped 1 line over 1 MiB (far longer than any window, not tokenized): {source}:31" in out
+
+
+def test_lengths_past_the_window_are_reported_by_prepare_and_by_the_run(tiny_data, pretrained, tmp_path):
+    """prepare --sft does not know seq_len: it counts conversations longer than a window of
+    common seq_len values; the run counts, for its own seq_len, the conversations whose tail is
+    never learned and their assistant tokens there."""
+    rng = random.Random(1)
+    conversations = [chat_conversation(rng) for _ in range(60)]
+    for i, words in ((3, 400), (7, 40), (45, 150)):  # train conversations (val: 19, 39, 59)
+        conversations[i] = long_conversation(rng, words)
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in conversations))
+    data = tmp_path / "data"
+    meta = prepare_sft([source], None, tokenizer=tiny_data / "tokenizer.json", out=data, progress=False)
+    encoded = encode_conversations(load_tokenizer(tiny_data / "tokenizer.json"), conversations)
+    lengths = np.array([len(ids) for ids, _ in encoded])
+    assert meta["conversation_tokens"]["max"] == lengths.max()
+    assert meta["conversation_tokens"]["longer_than_window"]["128"] == (lengths > 129).sum() >= 1
+    assert meta["conversation_tokens"]["longer_than_window"]["4096"] == 0
+    train = [e for i, e in enumerate(encoded) if i % 20 != 19]
+    past = [sum(mask[SEQ + 1 :]) for ids, mask in train if len(ids) > SEQ + 1]
+    assert len(past) >= 3 and sum(past) > 0
+    logs: list[str] = []
+    trainer = Trainer(sft_config(data, pretrained, tmp_path, "train.max_steps=1"), log=logs.append)
+    trainer.fit()
+    learned = meta["splits"]["train"]["learned"]
+    assert (
+        f"SFT data: {len(past)} of 57 train conversations are longer than a window of model.seq_len=32 "
+        f"(the longest has {lengths.max()} tokens); {sum(past)} of their assistant tokens "
+        f"({100 * sum(past) / learned:.1f}% of all) lie past it and are never learned" in "\n".join(logs)
+    )
+
+
+def test_sft_prepare_reruns_as_a_no_op_and_refuses_options_it_does_not_take(tiny_data, tmp_path):
+    source = write_chat_jsonl(tmp_path / "chat.jsonl", n=40)
+    out = tmp_path / "out"
+    tokenizer = str(tiny_data / "tokenizer.json")
+    proc = run_prepare_sft(source, tiny_data / "tokenizer.json", out)
+    assert proc.returncode == 0 and "38 train / 2 val conversations" in proc.stdout, proc.stderr
+    written = (out / "meta.json").stat().st_mtime_ns
+    proc = run_prepare_sft(source, tiny_data / "tokenizer.json", out)
+    assert proc.returncode == 0 and f"{out} is up to date (use --force to rebuild)" in proc.stdout
+    assert (out / "meta.json").stat().st_mtime_ns == written
+    base = ["prepare", "--sft", "--input", str(source), "--tokenizer", tokenizer, "--out", str(out)]
+    proc = run_cli(*base, "--force")
+    assert proc.returncode == 0 and "38 train / 2 val" in proc.stdout, proc.stderr
+    proc = run_cli(*base, "--val-fraction", "0.1")  # another option: rebuilt, not up to date
+    assert proc.returncode == 0 and "36 train / 4 val" in proc.stdout, proc.stderr
+    for flag, value, needle in [
+        ("--vocab-size", "500", "the vocabulary is --tokenizer's"),
+        ("--workers", "2", "the tokenizer's own threads"),
+        ("--text-field", "text", "conversations"),
+        ("--errors", "replace", "UTF-8"),
+        ("--tokenizer-sample-mb", "1", "trains no tokenizer"),
+    ]:
+        assert_user_error(run_cli(*base, flag, value), f"{flag} does not apply to --sft", needle)
+    assert json.loads((out / "meta.json").read_text())["options"]["val_fraction"] == 0.1
 
 
 # ---------------------------------------------------------------- the SFT stage

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import zipfile
 
@@ -19,7 +20,8 @@ from tokenizers import Tokenizer
 from gptcore import atomic, train
 from gptcore import mfu as mfu_mod
 from gptcore.checkpoint import TRAILER_BYTES, load_checkpoint, save_checkpoint
-from gptcore.config import load_config
+from gptcore.config import load_config, run_budget
+from gptcore.device import resolve_device
 from gptcore.errors import DivergedError, UserError
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at
@@ -201,7 +203,7 @@ def test_auto_precision_on_cpu_follows_the_measured_bf16_speedup(
     assert trainer.peak_flops == (speedup * 1e11 if precision == "bf16" else 1e11)
     assert f"{precision} matmul (measured" in trainer.peak_source
     trainer.fit(stop_at_step=1)
-    assert f"| precision {precision} ({reason}) | MFU peak " in logs[0]
+    assert f"| precision {precision} ({reason}) | MFU peak " in logs[1]  # after the run length
     # Another process on this machine: the cached measurement decides, nothing is measured again.
     monkeypatch.setattr(mfu_mod, "_measured", {})
     monkeypatch.setattr(mfu_mod, "_measure_matmul_flops", lambda dtype: pytest.fail("measured again"))
@@ -379,6 +381,20 @@ def test_atomic_writes_are_fsynced_before_and_after_the_rename(tmp_path, monkeyp
     ]
 
 
+def test_atomic_dir_gets_mkdir_permissions_without_setting_the_umask(tmp_path, monkeypatch):
+    """The umask is process-wide: setting it, even to read it, races every other thread's files."""
+    real_umask = os.umask
+    previous = real_umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", lambda _mask: pytest.fail("atomic_dir set the process umask"))
+        with atomic.atomic_dir(tmp_path / "d") as tmp:
+            (tmp / "f.txt").write_text("x")
+    finally:
+        real_umask(previous)
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o750  # what mkdir gives under 027
+    assert (tmp_path / "d" / "f.txt").read_text() == "x"
+
+
 def test_local_run_resumes_and_refuses_another_shape(tiny_data, tmp_path, capsys):
     cfg = make_config(tiny_data, tmp_path, "train.max_steps=8")
     first = train_local(cfg)
@@ -421,9 +437,40 @@ def test_a_rerun_with_another_schedule_is_refused_unless_extended(tiny_data, tmp
     )
 
 
-def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_path, monkeypatch, request):
-    """SIGINT arrives inside step 6 (batch index moved, optimizer not yet stepped): the interrupt
-    checkpoint must still be taken between steps, so the resumed run equals the uninterrupted one."""
+def test_a_run_length_set_on_the_command_line_clears_the_other_key(tiny_data, tmp_path, capsys):
+    """The shipped configs set train.max_tokens, which wins over train.max_steps: a --set of
+    either is what the user means, so it clears the other, and the first log line names it."""
+    path = tmp_path / "exp.toml"  # 128 tokens per step: max_tokens is 32 steps, max_steps 12
+    path.write_text(tiny_config_text(tiny_data, tmp_path / "run", max_tokens=4096))
+    assert run_budget(load_config(path)).total_steps == 32
+    capsys.readouterr()
+    steps = load_config(path, ["train.max_steps=3", "train.precision=fp32"])
+    assert (steps.train.max_steps, steps.train.max_tokens, run_budget(steps).total_steps) == (3, 0, 3)
+    assert f"--set train.max_steps=3 clears train.max_tokens=4096 (set in {path})" in capsys.readouterr().out
+    tokens = load_config(path, ["train.max_tokens=1024"])
+    assert (tokens.train.max_steps, run_budget(tokens).total_steps) == (0, 8)
+    assert "clears train.max_steps=12" in capsys.readouterr().out
+    # 0 clears nothing (the file's max_steps is then in force); both given is the user's choice.
+    assert run_budget(load_config(path, ["train.max_tokens=0"])).total_steps == 12
+    assert run_budget(load_config(path, ["train.max_tokens=0", "train.max_steps=5"])).total_steps == 5
+    with pytest.raises(UserError, match="both train.max_steps and train.max_tokens"):
+        load_config(path, ["train.max_tokens=1024", "train.max_steps=5"])
+    logs: list[str] = []
+    Trainer(steps, log=logs.append).fit()
+    assert logs[0] == "run length: 3 steps of 128 tokens (train.max_steps)", logs[0]
+    logs.clear()
+    Trainer(load_config(path, ["train.precision=fp32"]), log=logs.append).fit(stop_at_step=1)
+    assert logs[0] == "run length: 32 steps of 128 tokens (train.max_tokens=4,096; train.max_steps is unused)"
+
+
+@pytest.mark.parametrize("interrupted_step", [6, 4], ids=["between-evals", "at-an-eval"])
+def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(
+    tiny_data, tmp_path, monkeypatch, request, interrupted_step
+):
+    """SIGINT arrives inside a step (batch index moved, optimizer not yet stepped): the interrupt
+    checkpoint must still be taken between steps, so the resumed run equals the uninterrupted one,
+    and at an eval step (4, with eval_interval 4) after that step's evaluation, so that
+    metrics.jsonl has no hole where the run was interrupted."""
     # Python's own Ctrl-C handler, as in `gptrun train --local`: a Ray Train fit() run earlier in
     # this pytest process leaves its handler installed.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -432,24 +479,31 @@ def test_ctrl_c_in_the_middle_of_a_step_resumes_bit_identical(tiny_data, tmp_pat
     full = make_config(tiny_data, tmp_path, "model.dropout=0.1", f'train.out="{tmp_path / "full"}"')
     real_step, calls = AdamW.step, []
 
-    def interrupted_step(self, *args, **kwargs):
+    def interrupted_step_(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 6:
+        if len(calls) == interrupted_step:
             os.kill(os.getpid(), signal.SIGINT)
         return real_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(AdamW, "step", interrupted_step)
+    monkeypatch.setattr(AdamW, "step", interrupted_step_)
     with pytest.raises(KeyboardInterrupt):
         train_local(cfg)
     monkeypatch.setattr(AdamW, "step", real_step)
     last = tmp_path / "run" / "checkpoints" / "last.pt"
-    assert load_checkpoint(last)["step"] == 6 and load_checkpoint(last)["batch_index"] == 6
+    assert load_checkpoint(last)["step"] == interrupted_step
+    assert load_checkpoint(last)["batch_index"] == interrupted_step
     resumed, uninterrupted = train_local(cfg), train_local(full)
     assert resumed["val_loss"] == uninterrupted["val_loss"]
     a, b = (
         load_checkpoint(p / "checkpoints" / "last.pt")["model"] for p in (tmp_path / "run", tmp_path / "full")
     )
     assert all(torch.equal(a[k], b[k]) for k in a)
+    curves = [
+        [(r["step"], r["val_loss"]) for r in map(json.loads, (p / "metrics.jsonl").read_text().splitlines())]
+        for p in (tmp_path / "run", tmp_path / "full")
+    ]
+    assert [step for step, _ in curves[0]] == [4, 8, 12]
+    assert curves[0] == curves[1]
 
 
 def test_bits_per_byte_counts_the_bytes_of_the_evaluated_slice(tiny_data, tmp_path):
@@ -550,6 +604,39 @@ def test_cli_bad_config_is_one_line(tiny_data, tmp_path, overrides, needle):
     assert_user_error(run_cli("train", str(config), "--local", *args), needle)
 
 
+def test_a_device_this_machine_lacks_is_one_line_naming_what_it_has(monkeypatch):
+    """As on a one-GPU Linux node: cuda:7 and mps are refused by name, with the devices here."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    for name in ("cuda:7", "mps"):
+        with pytest.raises(
+            UserError,
+            match=f"train.device '{name}' is not available on this machine, "
+            "which has cpu, cuda:0; use one of those, or auto",
+        ):
+            resolve_device(name)
+    assert [resolve_device(n) for n in ("auto", "cuda", "cuda:0", "cpu")] == [
+        torch.device(n) for n in ("cuda", "cuda", "cuda:0", "cpu")
+    ]
+    with pytest.raises(UserError, match="--device 'gpu' is not a device; use one of auto, cpu, cuda"):
+        resolve_device("gpu", "--device")
+
+
+def test_cli_bad_devices_are_one_line(tiny_data, pretrained, tmp_path):
+    config = tmp_path / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    assert_user_error(
+        run_cli("train", str(config), "--local", "--set", "train.device=cuda:99"),
+        "train.device 'cuda:99' is not available on this machine, which has cpu",
+    )
+    assert_user_error(
+        run_cli("train", str(config), "--local", "--set", "train.device=tpu"), "'tpu' is not a device"
+    )
+    assert_user_error(run_cli("sample", str(pretrained), "--device", "foo"), "--device 'foo' is not a device")
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_bad_checkpoints_are_one_line(tiny_data, tmp_path):
     assert_user_error(run_cli("sample", str(tmp_path / "missing.pt")), "does not exist")
     junk = tmp_path / "junk.pt"
@@ -565,11 +652,11 @@ def test_cli_train_local_bad_out_or_data_is_one_line_and_writes_nothing(tiny_dat
         run_cli("train", str(config), "--local", "--out", str(tmp_path / "file")), "existing file"
     )
     assert (tmp_path / "file").read_text() == "keep me"
-    if os.path.isdir("/proc"):  # a filesystem where no folder can be made, even by root
-        assert_user_error(
-            run_cli("train", str(config), "--local", "--out", "/proc/gptrun/run"),
-            "/proc/gptrun/run is not writable",
-        )
+    # /proc (Linux, where gptrun and its CI run): no folder can be made there, even by root
+    assert_user_error(
+        run_cli("train", str(config), "--local", "--out", "/proc/gptrun/run"),
+        "/proc/gptrun/run is not writable",
+    )
     data_missing = tmp_path / "nodata.toml"
     data_missing.write_text(tiny_config_text(tmp_path / "nodata", tmp_path / "run"))
     assert_user_error(run_cli("train", str(data_missing), "--local"), "nodata")

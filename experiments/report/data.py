@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiments.confirm import NOISE_FILE
+from experiments.noise import NOISE_FILE
 from experiments.report.common import OK, CommonBudget
 from experiments.results import short_params
 from gptcore.atomic import atomic_file

@@ -1,0 +1,40 @@
+"""The private Ray and Optuna names that gptrun relies on, each behind one function.
+
+Ray and Optuna may change what is private in any release. Each function here says what it
+reads, and was checked against the source of Ray 2.60.0 and Optuna 5.1.0 (the versions
+pyproject.toml pins); after an upgrade, check each against the new source and run the tests
+named beside it. Two more live in `experiments.cluster` (the address probe: `_resolve_auto`,
+`_auth_metadata`) and one in `cluster/local.py` (`ray._raylet.GcsClient`), each with the same
+version note.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def in_tune_session() -> bool:
+    """Whether this Tune trial's session still runs: false once ASHA or the budget stopped the
+    trial (aborting its Ray Train run), when a report would warn and change nothing.
+    `ray.tune.trainable.trainable_fn_utils._in_tune_session` (Ray 2.60.0; tests/test_sweep.py
+    `test_ddp_trial_stopped_by_asha_is_not_an_error`)."""
+    from ray.tune.trainable.trainable_fn_utils import _in_tune_session
+
+    return _in_tune_session()
+
+
+def optuna_trials(search: Any) -> dict[str, Any]:
+    """Tune trial id -> the `optuna.Trial` that OptunaSearch asked for it: `_ot_trials`
+    (Ray 2.60.0 `ray.tune.search.optuna.OptunaSearch`; tests/test_sweep.py, test_report.py)."""
+    return search._ot_trials
+
+
+def optuna_study(search: Any) -> Any:
+    """The `optuna.Study` that OptunaSearch asks and tells: `_ot_study` (Ray 2.60.0)."""
+    return search._ot_study
+
+
+def told_trials(search: Any) -> set[str]:
+    """The Tune trial ids OptunaSearch has told the study about (it skips them on a second
+    completion): `_completed_trials`, a set (Ray 2.60.0)."""
+    return search._completed_trials
