@@ -28,7 +28,6 @@ from experiments.config import RayExperiment
 from experiments.experiment import STUDY_FILE, is_experiment, load_base, study_url
 from experiments.space import Space, parse_space
 from experiments.storage import rdb_storage, shown_url
-from experiments.trial import MODE
 from gptcore.errors import UserError
 
 WARM_FROM, WARM_TRIAL = "warm_start_from", "warm_start_trial"  # trial user attributes
@@ -104,7 +103,7 @@ def start_study(url: str, name: str, space: Space, tokens: int, history: History
     study = optuna.create_study(
         storage=rdb_storage(url),
         study_name=name,
-        direction="minimize" if MODE == "min" else "maximize",
+        direction="minimize",  # val_loss, as OptunaSearch sees it (experiments.trial.MODE)
         load_if_exists=True,
     )
     study.set_user_attr(SPACE_ATTR, space.record())
