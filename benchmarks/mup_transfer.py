@@ -18,13 +18,15 @@ on the proxy like the lr (gptcore.mup). Weight decay is on (default 0.1) so that
 it shows: the hidden matrices get wd x m beside lr / m, keeping lr x wd the base width's.
 
 Each finished run is appended to --results (JSON lines) and a rerun with the same settings skips
-it, so an interrupted benchmark continues. On 2 CPU cores the defaults take ~45 min; on a GPU,
+it, so an interrupted benchmark continues (run it in pieces, e.g. under `timeout`), and --summarize
+prints the table and draws the plot from the runs there without training any (a run not there is
+"-" and a gap). On 2 CPU cores the defaults take ~45 min; on a GPU,
 run it bigger, e.g. --widths 128,256,512,1024 --n-layer 4 --seq-len 256 --batch-size 32
 --steps 2000 --lrs=-12:-5.
 
     gptrun prepare --corpus shakespeare --out data/shakespeare-2k --vocab-size 2048
     python benchmarks/mup_transfer.py --data data/shakespeare-2k [--widths 64,128,256]
-        [--lrs=-11:-5] [--seeds 2] [--steps 250] [--output-mult 4] [--smoke]
+        [--lrs=-11:-5] [--seeds 2] [--steps 250] [--output-mult 4] [--smoke] [--summarize]
         [--out docs/mup_transfer.png]
 """
 
@@ -151,6 +153,9 @@ def main() -> None:
     parser.add_argument("--base-width", type=int, default=0, help="µP's base width (default: the narrowest)")
     parser.add_argument("--results", default="runs/mup_transfer.jsonl")
     parser.add_argument("--out", default="docs/mup_transfer.png")
+    parser.add_argument(
+        "--summarize", action="store_true", help="train nothing: the table and plot of the runs in --results"
+    )
     parser.add_argument("--smoke", action="store_true", help="a minute's check: 2 widths, 3 lrs, 30 steps")
     args = parser.parse_args()
     if args.smoke:
@@ -180,7 +185,7 @@ def main() -> None:
             for width in widths:
                 for name, arm in arms.items():  # alternating: load drift hits every arm alike
                     key = (name, width, log2_lr, seed)
-                    if key in done:
+                    if key in done or args.summarize:
                         continue
                     run = train_once(args, arm, width, log2_lr, seed)
                     rec = dict(zip(("arm", "width", "log2_lr", "seed"), key, strict=True))
@@ -194,17 +199,26 @@ def main() -> None:
                         flush=True,
                     )
     print(f"load {os.getloadavg()[0]:.2f}")
-    table = {
-        (name, w, lr): statistics.fmean(done[(name, w, lr, s)]["val_loss"] for s in range(args.seeds))
-        for name in arms
-        for w in widths
-        for lr in log2_lrs
-    }
-    optima = summarize(table, list(arms), widths, log2_lrs)
+    table, missing = {}, set()
+    for name in arms:
+        for w in widths:
+            for lr in log2_lrs:
+                runs = [done[k]["val_loss"] for s in range(args.seeds) if (k := (name, w, lr, s)) in done]
+                table[(name, w, lr)] = statistics.fmean(runs) if runs else math.nan
+                if len(runs) < args.seeds:
+                    missing.add((name, w, lr))
+    if missing:
+        print(
+            f"{len(missing)} points lack a seed's run (--summarize): '-' where none ran, "
+            "else the mean of those that did"
+        )
+    optima = summarize(table, list(arms), widths, log2_lrs, missing)
     draw(table, optima, list(arms), widths, log2_lrs, args)
 
 
-def summarize(table: dict, arms: list[str], widths: list[int], log2_lrs: list[int]) -> dict:
+def summarize(
+    table: dict, arms: list[str], widths: list[int], log2_lrs: list[int], missing: set = frozenset()
+) -> dict:
     """Print the loss table, optima, drift and wider-is-better per arm, then the target's
     verdict; return {(arm, width): log2 lr*}."""
     optima, drift = {}, {}
@@ -214,7 +228,10 @@ def summarize(table: dict, arms: list[str], widths: list[int], log2_lrs: list[in
         for w in widths:
             losses = [table[(name, w, lr)] for lr in log2_lrs]
             optima[(name, w)], note = optimum(log2_lrs, losses)
-            cells = "".join(f"{loss:8.3f}" if math.isfinite(loss) else f"{'div':>8}" for loss in losses)
+            cells = "".join(
+                f"{loss:8.3f}" if math.isfinite(loss) else f"{'-' if (name, w, lr) in missing else 'div':>8}"
+                for lr, loss in zip(log2_lrs, losses, strict=True)
+            )
             best = optima[(name, w)]
             print(f"{w:>6}{cells}   2^{best:+.2f} = {2**best:.2e}" + (f"  ({note})" if note else ""))
         drift[name] = optima[(name, widths[-1])] - optima[(name, widths[0])]
@@ -230,7 +247,9 @@ def summarize(table: dict, arms: list[str], widths: list[int], log2_lrs: list[in
         f"\ntarget: µP drift <= 1 octave ({mup:.2f}: {'met' if mup <= 1 else 'missed'}), "
         f"SP drift larger ({sp:.2f}: {'met' if sp > mup else 'missed'})"
     )
-    widest = ", ".join(f"{name} {min(table[(name, widths[-1], lr)] for lr in log2_lrs):.3f}" for name in arms)
+    widest = ", ".join(
+        f"{name} {np.nanmin([table[(name, widths[-1], lr)] for lr in log2_lrs]):.3f}" for name in arms
+    )
     print(f"best loss of width {widths[-1]} over the grid: {widest}")
     return optima
 
