@@ -5,8 +5,8 @@ those share one model shape (the in-process and on-disk caches then serve the la
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 
 import pytest
 import torch
