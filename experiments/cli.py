@@ -27,6 +27,7 @@ examples:
   gptrun export runs/quickstart/checkpoints/best.pt --hf exports/quickstart
   gptrun plan experiments/configs/quickstart.toml
   gptrun sweep experiments/configs/quickstart.toml --name demo
+  gptrun sweep experiments/configs/quickstart.toml --name demo2 --warm-start sweeps/demo
   gptrun resume sweeps/demo
   gptrun confirm sweeps/demo --top 3 --seeds 3
   gptrun report sweeps/demo
@@ -338,6 +339,13 @@ def _sweep_command(sub: Subcommands) -> None:
     p.add_argument(
         "--restart", action="store_true", help="delete an existing experiment of this name and start over"
     )
+    p.add_argument(
+        "--warm-start",
+        metavar="SWEEP",
+        default=None,
+        help="start TPE from the finished trials of an earlier sweep on the same search space: its "
+        "folder (e.g. sweeps/NAME), or a study name in sweep.storage_url (sets sweep.warm_start)",
+    )
     _add_cluster(p)
     _add_overrides(p)
     p.set_defaults(handler=_sweep)
@@ -347,9 +355,12 @@ def _sweep(args: argparse.Namespace) -> int:
     from experiments.cluster import ray_session
     from experiments.sweep import plan_sweep, run_sweep
 
+    overrides = list(args.overrides)
+    if args.warm_start:
+        overrides.append(f"sweep.warm_start={_toml_str(args.warm_start)}")
     plan = plan_sweep(
         args.config,
-        args.overrides,
+        overrides,
         name=args.name,
         storage=args.storage,
         restart=args.restart,

@@ -45,6 +45,14 @@ class SweepConfig:
     storage_url: str = ""  # Optuna RDB; "" means sqlite in the experiment folder
     confirm_top: int = 0  # after the search, re-run the K best configs (0: no noise check) ...
     confirm_seeds: int = 3  # ... with this many new seeds each, at full budget
+    # TPE for trials that run at once: one model of all parameters (multivariate), trials still
+    # running counted as bad guesses so that K trials asked together spread out (constant liar),
+    # a conditional space (include_zero) modelled in groups (with multivariate). All false:
+    # Optuna's plain, independent TPE.
+    multivariate: bool = True
+    constant_liar: bool = True
+    group: bool = True
+    warm_start: str = ""  # an earlier sweep on the same space (folder, or study name): TPE's history
     space: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:

@@ -15,6 +15,7 @@ choice (TPE learns whether 0 is better) rather than a fudge on the log scale.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,25 @@ class Space:
     def keys(self) -> tuple[str, ...]:
         """The searched config keys: the columns of Tune's progress table."""
         return tuple(p.key for p in self.params)
+
+    @property
+    def conditional(self) -> bool:
+        """Whether some trials ask for a key that others do not (a zero chosen skips its value)."""
+        return any(p.include_zero for p in self.params)
+
+    def record(self) -> dict[str, Any]:
+        """The space as JSON data: what a sweep's study records, and what a warm start compares."""
+        params = {
+            p.key: {
+                "kind": p.kind,
+                "low": p.low,
+                "high": p.high,
+                "choices": list(p.choices),
+                "include_zero": p.include_zero,
+            }
+            for p in self.params
+        }
+        return json.loads(json.dumps({"params": params, "fixed": self.fixed}))
 
     def suggest(self, trial: Any) -> dict[str, float]:
         """Optuna define-by-run: ask `trial` for every searched key. A key whose zero was chosen

@@ -36,6 +36,7 @@ from experiments.results import best_config, load_trials, print_table, print_tri
 from experiments.space import Space, parse_space
 from experiments.storage import shown_url
 from experiments.tuner import new_tuner, restore_tuner, tracking_callbacks
+from experiments.warm_start import History, load_history
 from gptcore.atomic import write_text_atomic
 from gptcore.errors import UserError
 
@@ -48,6 +49,7 @@ class SweepPlan:
     space: Space
     exp_dir: Path
     restart: bool = False
+    history: History | None = None  # a new sweep's warm start, loaded and checked
 
     @property
     def extra_local_cpus(self) -> int:
@@ -63,7 +65,8 @@ def plan_sweep(
     restart: bool,
     address: str | None,
 ) -> SweepPlan:
-    """Every check that needs no cluster: config, space, baseline, trackers, folder, study."""
+    """Every check that needs no cluster: config, space, baseline, trackers, folder, study, and
+    the warm-start history (read now: a different space is refused before Ray starts)."""
     from experiments.study import check_new_study
 
     cfg = checked_for_workers(load_experiment(config, overrides))
@@ -83,11 +86,12 @@ def plan_sweep(
             f"experiment {exp_dir} exists; continue it with `gptrun resume "
             f"{exp_dir}` or start over with --restart"
         )
+    history = load_history(cfg, space, Path(storage))
     if cfg.sweep.storage_url:
         check_new_study(cfg.sweep.storage_url, exp_dir.name, replace=restart)
     if address is None:  # a local instance: no need to start Ray to know it is too small
         check_fits(*trial_footprint(cfg), "one trial", local_resources(local_extra_cpus(cfg)))
-    return SweepPlan(cfg, space, exp_dir, restart)
+    return SweepPlan(cfg, space, exp_dir, restart, history)
 
 
 def run_sweep(plan: SweepPlan) -> int:
@@ -107,7 +111,9 @@ def run_sweep(plan: SweepPlan) -> int:
         f"{shown_url(study_url(cfg, exp_dir))}",
         flush=True,
     )
-    new_tuner(cfg, plan.space, exp_dir, width).fit()
+    if plan.history:
+        print(plan.history.note, flush=True)
+    new_tuner(cfg, plan.space, exp_dir, width, history=plan.history).fit()
     return finish(cfg, plan.space, exp_dir)
 
 

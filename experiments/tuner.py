@@ -5,14 +5,16 @@ the Optuna study in its storage), and the trackers. `gptrun sweep`, `gptrun resu
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 from experiments.budget import grace_tokens, is_lean, startup_trials, trial_resources, trial_tokens
-from experiments.config import RayExperiment, parse_duration
+from experiments.config import RayExperiment, SweepConfig, parse_duration
 from experiments.experiment import RUNS_DIR, study_url, trial_dirname
 from experiments.space import Space
 from experiments.trial import METRIC, MODE, run_trial
+from experiments.warm_start import History, start_study
 from gptcore.errors import UserError
 
 REPORT_COLUMNS = ["tokens", "loss", "val_loss", "val_bpb", "tokens_per_sec"]
@@ -28,11 +30,13 @@ def new_tuner(
     param_space: dict | None = None,
     stop: Any = None,
     tracking_name: str = "",
+    history: History | None = None,
 ) -> Any:
     """The Tuner of experiment `exp_dir`: one `run_trial` per trial, `space.overrides(config)`
     turning a trial's config into config values. The search defaults to TPE + ASHA from
-    `cfg.sweep` (`search_config`); `gptrun confirm` and the benchmarks pass their own. Trackers
-    log under `tracking_name` (default: the experiment's name)."""
+    `cfg.sweep` (`search_config`, its study starting with the warm-start `history`); `gptrun
+    confirm` and the benchmarks pass their own. Trackers log under `tracking_name` (default: the
+    experiment's name)."""
     from ray import tune
 
     from experiments.events import TrialEvents
@@ -41,7 +45,7 @@ def new_tuner(
     # Frequent checkpoints of short trials trigger a warning about snapshot frequency that a
     # user cannot act on: the snapshots are what makes a killed sweep resumable.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-    tune_config = tune_config or search_config(cfg, space, exp_dir)
+    tune_config = tune_config or search_config(cfg, space, exp_dir, history)
     tune_config.max_concurrent_trials = width
     tune_config.trial_dirname_creator = trial_dirname
     tune_config.reuse_actors = is_lean(cfg)  # a warm process: torch imported, threads set up
@@ -91,10 +95,10 @@ def trainable(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
     )
 
 
-def search_config(cfg: RayExperiment, space: Space, exp_dir: Path) -> Any:
-    """TPE (seeded, the baseline as its first point, start-up scaled to the sweep) writing its
-    study to `study_url`, and ASHA on tokens, within the sweep's time budget."""
-    import optuna
+def search_config(cfg: RayExperiment, space: Space, exp_dir: Path, history: History | None = None) -> Any:
+    """TPE (`tpe_sampler`; the baseline as its first point) writing its study to `study_url`,
+    which starts with the warm-start `history` if any, and ASHA on tokens, within the sweep's
+    time budget."""
     from ray import tune
 
     from experiments.events import RecordingASHA
@@ -102,19 +106,18 @@ def search_config(cfg: RayExperiment, space: Space, exp_dir: Path) -> Any:
     from experiments.study import StudySearch
 
     points = [space.baseline(cfg)] if cfg.sweep.baseline else None
-    sampler = optuna.samplers.TPESampler(
-        seed=cfg.sweep.seed, n_startup_trials=startup_trials(cfg.sweep.num_samples)
-    )
     max_t = trial_tokens(cfg)
+    url = study_url(cfg, exp_dir)
+    start_study(url, exp_dir.name, space, max_t, history)
     searcher = StudySearch(
         full_tokens=max_t,
         space=space.suggest,
         points_to_evaluate=points,
-        sampler=sampler,
+        sampler=tpe_sampler(cfg.sweep, space),
         study_name=exp_dir.name,
         metric=METRIC,
         mode=MODE,
-        storage=rdb_storage(study_url(cfg, exp_dir)),
+        storage=rdb_storage(url),
     )
     scheduler = RecordingASHA(
         exp_dir,
@@ -129,6 +132,29 @@ def search_config(cfg: RayExperiment, space: Space, exp_dir: Path) -> Any:
     return tune.TuneConfig(
         search_alg=searcher, scheduler=scheduler, num_samples=cfg.sweep.num_samples, time_budget_s=budget
     )
+
+
+def tpe_sampler(sweep: SweepConfig, space: Space) -> Any:
+    """Optuna's TPE as `[sweep]` sets it, seeded, with a random start-up scaled to the sweep
+    (`startup_trials`; warm-start history counts towards it). By default it is built for trials
+    that run at once: `multivariate` models the parameters jointly, `constant_liar` counts the
+    trials still running as bad results so that K trials asked together spread out instead of
+    piling onto the same best guess, and `group` (with multivariate, for a space with
+    include_zero) models the keys that every trial has jointly and the conditional ones apart.
+    Optuna's defaults moved between versions (4.x: independent, no liar; 5.x: both on), so every
+    choice is passed explicitly."""
+    import optuna
+
+    with warnings.catch_warnings():
+        # Optuna marks `group` experimental (since 2.8); it is our documented [sweep] option.
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(
+            seed=sweep.seed,
+            n_startup_trials=startup_trials(sweep.num_samples),
+            multivariate=sweep.multivariate,
+            constant_liar=sweep.constant_liar,
+            group=sweep.multivariate and sweep.group and space.conditional,
+        )
 
 
 def tracking_callbacks(cfg: RayExperiment, experiment: str, folder: Path | None = None) -> list[Any]:

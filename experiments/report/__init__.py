@@ -16,12 +16,13 @@ from experiments.report.common import analysis_study, common_budget
 from experiments.report.data import best_trial, read_noise, trial_rows, write, write_tables
 from experiments.report.importance import importances
 from experiments.report.interactive import check_plotly
-from experiments.report.page import report_page
+from experiments.report.page import report_page, warm_start_html
 from experiments.report.plots import draw_importance, draw_noise, draw_sweep, figure_factory
 from experiments.results import best_config, load_curves, load_trials, print_table
 from experiments.space import parse_space
 from experiments.storage import dashboard_command
 from experiments.table import fmt_tokens
+from experiments.warm_start import report_history
 
 
 def report_cli(experiment_dir: str, out: str | None) -> int:
@@ -69,8 +70,14 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     if noise is not None:
         print_noise(noise)
         draw_noise(figure, noise, out_dir)
+    history, history_line = report_history(cfg, exp_dir)
+    if history_line:
+        print(history_line)
 
-    page = report_page(exp_dir, out_dir, cfg, space, trials, rows, curves, common, study, ranked, best, noise)
+    page = report_page(
+        exp_dir, out_dir, cfg, space, trials, rows, curves, common, study, ranked, best, noise,
+        warm_start=warm_start_html(history, history_line),
+    )  # fmt: skip
     write(out_dir / "report.html", lambda tmp: tmp.write_text(page, encoding="utf-8"))
     print(f"report: {(out_dir / 'report.html').resolve()}")
     return 0

@@ -17,8 +17,10 @@ from experiments.noise import noise_line, verdict
 from experiments.report import interactive
 from experiments.report.common import CommonBudget
 from experiments.report.importance import Importances
+from experiments.results import short_params
 from experiments.space import Space
 from experiments.table import fmt_sci, fmt_tokens
+from experiments.warm_start import WARM_FROM, WARM_TRIAL
 
 STATUS = {  # a status in words, and what it means on hover
     "completed": "trained its full token budget",
@@ -61,10 +63,11 @@ def report_page(
     ranked: Importances,
     best: dict[str, Any] | None,
     noise: dict[str, Any] | None,
+    warm_start: str = "",
 ) -> str:
     """report.html: the summary, the trial table (`rows`: trials.parquet's), the interactive
-    plots (`study`: the trials at the common budget), the importances, the noise section and
-    links to the PNGs."""
+    plots (`study`: the trials at the common budget), the importances, the noise section, the
+    warm-start history (`warm_start`: its HTML, "" for a cold sweep) and links to the PNGs."""
     drawable = len(common.losses) >= 2  # Optuna's contour and parallel coordinates need two trials
     contour = interactive.contour_figure(study, space, common) if drawable else None
     too_few = f"<p>Needs two trials compared at the common budget; there are {len(common.losses)}.</p>"
@@ -89,6 +92,7 @@ def report_page(
         ),
         "Hyperparameter importance": importance_html(ranked, common),
         "Noise": noise_html(noise, exp_dir, out_dir),
+        **({"Warm start": warm_start} if warm_start else {}),
         "Images": png_links(out_dir),
     }
     return html_page(exp_dir.name, trials, sections, interactive.plotly_js())
@@ -214,6 +218,24 @@ def _cell(key: str, value: Any, sci: set[str], path: str, out_dir: Path) -> str:
 
 def _number(value: Any, spec: str) -> str:
     return "-" if not isinstance(value, (int, float)) or math.isnan(value) else format(value, spec)
+
+
+def warm_start_html(history: list[Any], line: str) -> str:
+    """The warm-start section: the earlier sweep's trials that this sweep's TPE started from
+    (optuna FrozenTrials), best first; "" for a sweep that was not warm-started."""
+    if not line:
+        return ""
+    rows = "".join(
+        f"<tr><td>{escape(str(t.user_attrs[WARM_FROM]))}</td><td>{escape(str(t.user_attrs[WARM_TRIAL]))}"
+        f"</td><td>{'completed' if t.state.name == 'COMPLETE' else 'stopped early'}</td>"
+        f"<td>{_text(t.value)}</td><td>{fmt_tokens(max(t.intermediate_values, default=0))}</td>"
+        f"<td>{escape(', '.join(f'{k}={_text(v)}' for k, v in short_params(t.params).items()))}</td></tr>"
+        for t in sorted(history, key=lambda t: t.value)
+    )
+    return (
+        f"<p>{escape(line)}.</p><table><tr><th>from</th><th>trial</th><th>status</th><th>val loss</th>"
+        f"<th>tokens</th><th>values</th></tr>{rows}</table>"
+    )
 
 
 def noise_html(noise: dict[str, Any] | None, exp_dir: Path, out_dir: Path) -> str:
