@@ -112,7 +112,7 @@ def test_auto_stays_eager_for_a_short_run_and_says_why(tiny_data, tmp_path, cach
     assert false_logs[2] == "compile off (train.compile=false)"
 
 
-def test_compiled_resume_is_bit_identical_and_checkpoints_cross_modes(tiny_data, tmp_path, cache):
+def test_compiled_runs_resume_and_checkpoints_cross_modes(tiny_data, tmp_path, cache):
     compiled = make_config(tiny_data, tmp_path, "train.compile=true")
     logs: list[str] = []
     full = Trainer(compiled, log=logs.append)
@@ -133,9 +133,12 @@ def test_compiled_resume_is_bit_identical_and_checkpoints_cross_modes(tiny_data,
     assert not [k for k in saved["state"]["model"] if "_orig_mod" in k]
     second = Trainer(compiled, log=None)
     second.load_state_dict(load_checkpoint(path))
-    assert first_losses + losses_of(second) == full_losses  # bit-identical, not approximately
+    # Not bit-identical: two fresh compiled CPU runs already differ in the last bit of a loss now
+    # and then (torch 2.13's inductor kernels), unlike eager runs (test_train's resume test).
+    assert first_losses + losses_of(second) == pytest.approx(full_losses, rel=1e-5, abs=0)
+    assert (second.step, second.batch_index) == (full.step, full.batch_index)
     for a, b in zip(full.model.parameters(), second.model.parameters(), strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
     # A compiled checkpoint resumes eager, and an eager one compiled: same run, within float noise.
     eager = Trainer(make_config(tiny_data, tmp_path, "train.compile=false"), log=None)
@@ -160,9 +163,10 @@ def test_auto_compiles_when_the_cached_cost_says_it_pays(tiny_data, tmp_path, ca
     assert isinstance(trainer.step_model, torch._dynamo.eval_frame.OptimizedModule)
     assert logs[2].startswith("compile on (auto): ~0.0 s to save ~")
     assert "50.00x faster compiled; compile cost measured) | compiled in " in logs[2]
-    # The real compile took far longer than the cached 0.1 ms: the cache now holds its figures.
+    # The compile landed far from the cached 0.1 ms (longer cold, ~0 s from this process's own
+    # compiled graph): the cache now holds the measured figures.
     refreshed = autocompile.expected_cost(key, torch.device("cpu"))
-    assert refreshed.seconds > 1e-4 * autocompile.REFRESH_RATIO and refreshed.speedup != 50.0
+    assert refreshed.source == "measured" and refreshed.speedup != 50.0
 
 
 def test_a_failing_compile_trains_eager_with_one_warning(tiny_data, tmp_path, cache):
