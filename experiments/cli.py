@@ -31,6 +31,7 @@ examples:
   gptrun resume sweeps/demo
   gptrun confirm sweeps/demo --top 3 --seeds 3
   gptrun report sweeps/demo
+  gptrun transfer sweeps/proxy --to target.toml
 """
 
 
@@ -438,6 +439,35 @@ def _report(args: argparse.Namespace) -> int:
     return report_cli(args.experiment_dir, out=args.out)
 
 
+def _transfer_command(sub: Subcommands) -> None:
+    p = sub.add_parser(
+        "transfer",
+        help="a µP sweep's best values as a training config for a wider model",
+        description="Take the best trial of a sweep run on a narrow µP proxy (model.mup_base_width "
+        "set) and write TARGET's config with the proxy's lr, weight decay, warmup (and any other "
+        "optimizer key the sweep searched) and µP base width, printing both side by side. "
+        "Refused when proxy and target differ in what µP does not transfer (depth, d_head, "
+        "vocabulary/tokenizer, sequence length, batch, schedule).",
+    )
+    p.add_argument("sweep", help="the sweep's experiment folder, e.g. sweeps/proxy")
+    p.add_argument("--to", required=True, metavar="TARGET.toml", help="the wide model's experiment TOML")
+    p.add_argument("--out", default=None, help="the config to write (default: SWEEP/transfer-TARGET.toml)")
+    p.add_argument(
+        "--horizon-exponent",
+        type=float,
+        default=0.0,
+        help="scale lr by (target tokens / proxy tokens)^-EXPONENT: an empirical rule for longer "
+        "runs (~0.3 is reported for AdamW), not part of µP (default 0: off)",
+    )
+    p.set_defaults(handler=_transfer)
+
+
+def _transfer(args: argparse.Namespace) -> int:
+    from experiments.transfer import transfer_cli
+
+    return transfer_cli(args.sweep, args.to, out=args.out, horizon_exponent=args.horizon_exponent)
+
+
 # Each subcommand's options, next to its handler, in the order `gptrun --help` lists them.
 COMMANDS: tuple[Callable[[Subcommands], None], ...] = (
     _prepare_command,
@@ -449,6 +479,7 @@ COMMANDS: tuple[Callable[[Subcommands], None], ...] = (
     _resume_command,
     _confirm_command,
     _report_command,
+    _transfer_command,
 )
 
 

@@ -15,7 +15,9 @@ choice (TPE learns whether 0 is better) rather than a fudge on the log scale.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +97,7 @@ class Space:
         """The config's own values as an Optuna point: the trial every sweep should beat."""
         point: dict[str, Any] = {}
         for p in self.params:
-            value = _get(cfg, p.key)
+            value = config_value(cfg, p.key)
             if p.include_zero:
                 point[p.zero_flag] = value == 0
                 if value == 0:
@@ -128,7 +130,7 @@ def parse_space(cfg: RayExperiment) -> Space:
     params, fixed = [], {}
     for name, spec in raw.items():
         key = ALIASES.get(name, name)
-        current = _get(cfg, key)  # raises for unknown keys
+        current = config_value(cfg, key)  # raises for unknown keys
         if not isinstance(spec, dict):
             fixed[key] = spec
             continue
@@ -137,7 +139,44 @@ def parse_space(cfg: RayExperiment) -> Space:
         raise UserError("[sweep.space] fixes every key and searches none; give at least one range")
     space = Space(tuple(params), fixed)
     apply_overrides(cfg, space.overrides({}))  # fixed values must be valid config values
+    _check_choices(cfg, space)
+    _check_heads(cfg, space)
     return space
+
+
+MAX_CHOICE_COMBINATIONS = 4096  # beyond this many, each choice value is checked on its own
+
+
+def _check_choices(cfg: RayExperiment, space: Space) -> None:
+    """Every combination of `choice` values must make a valid config, checked before any trial
+    runs (a model key's choice can clash with another key: d_model with n_head)."""
+    choices = [p for p in space.params if p.kind == "choice"]
+    if not choices:
+        return
+    if math.prod(len(p.choices) for p in choices) <= MAX_CHOICE_COMBINATIONS:
+        combos = itertools.product(*[[(p.key, v) for v in p.choices] for p in choices])
+    else:
+        combos = ([(p.key, v)] for p in choices for v in p.choices)
+    for combo in combos:
+        try:
+            apply_overrides(cfg, space.overrides(dict(combo)))
+        except UserError as err:
+            shown = ", ".join(f"{k}={v!r}" for k, v in combo)
+            raise UserError(f"sweep.space: the trial with {shown} is not a valid config: {err}") from None
+
+
+def _check_heads(cfg: RayExperiment, space: Space) -> None:
+    """A searched n_head beside an n_kv_head fixed at the base's n_head would turn the other
+    trials into grouped-query attention without anyone asking for it."""
+    keys = {p.key for p in space.params} | set(space.fixed)
+    m = cfg.model
+    fixed_kv = "model.n_kv_head" not in keys and not m.derives("n_kv_head")
+    if "model.n_head" in keys and fixed_kv and m.n_kv_head == m.n_head:
+        raise UserError(
+            f"sweep.space searches model.n_head but model.n_kv_head = {m.n_kv_head} is set, so "
+            "trials with more heads would be grouped-query attention; remove model.n_kv_head "
+            "(it then follows n_head) or search it too"
+        )
 
 
 def _parse_param(key: str, spec: dict[str, Any], current: Any) -> Param:
@@ -188,7 +227,8 @@ def apply_overrides(cfg: RayExperiment, values: dict[str, Any]) -> RayExperiment
     return experiment_from_dict(raw)
 
 
-def _get(cfg: RayExperiment, key: str) -> Any:
+def config_value(cfg: RayExperiment, key: str) -> Any:
+    """The value of `section.key` in `cfg`; a key that no sweep may search is refused."""
     section, _, leaf = key.partition(".")
     obj = getattr(cfg, section, None) if leaf else None
     if (

@@ -23,18 +23,22 @@ from gptcore.data import VOCAB_LIMIT
 from gptcore.device import check_device_name
 from gptcore.errors import UserError
 
-# Model presets. `minimind-26m` is the MiniMind recipe (llama blocks, GQA with 2 KV heads);
-# `gpt2-124m` is GPT-2 small, but with the project's 6400-token byte-level BPE by default.
+# Model presets. `minimind-26m` is the MiniMind recipe (llama blocks, GQA with 2 KV heads; its
+# d_ff 1408 is the derived 8/3 x 512 rounded up to 64); `gpt2-124m` is GPT-2 small, but with the
+# project's 6400-token byte-level BPE by default. A preset names no derived key (DERIVED_KEYS) it
+# does not mean to fix, so that `--set model.n_head=8` on a preset stays plain attention.
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(style="gpt2", n_layer=2, n_head=2, n_kv_head=2, d_model=64, seq_len=64),
-    "quickstart": dict(style="gpt2", n_layer=4, n_head=4, n_kv_head=4, d_model=128, seq_len=128),
+    "tiny": dict(style="gpt2", n_layer=2, n_head=2, d_model=64, seq_len=64),
+    "quickstart": dict(style="gpt2", n_layer=4, n_head=4, d_model=128, seq_len=128),
     "minimind-26m": dict(
-        style="llama", n_layer=8, n_head=8, n_kv_head=2, d_model=512, seq_len=512, vocab_size=6400, d_ff=1408
+        style="llama", n_layer=8, n_head=8, n_kv_head=2, d_model=512, seq_len=512, vocab_size=6400
     ),
-    "gpt2-124m": dict(
-        style="gpt2", n_layer=12, n_head=12, n_kv_head=12, d_model=768, seq_len=1024, vocab_size=6400
-    ),
+    "gpt2-124m": dict(style="gpt2", n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=6400),
 }
+# Model keys whose 0 means "derived from other keys" (see ModelConfig). A config saves them only
+# when the user set them, so a saved config loaded with another d_model / n_head / seq_len (a
+# sweep over width, `--set` on best.toml, `gptrun transfer`) derives them again.
+DERIVED_KEYS = ("n_kv_head", "d_ff", "max_positions")
 
 
 # The [model] keys that fix the weights' shapes: a checkpoint loads only into the same ones.
@@ -58,8 +62,13 @@ class ModelConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # µP (gptcore.mup): the d_model whose learning rate and init this config's values are; 0 = off.
+    mup_base_width: int = 0
+    mup_output_mult: float = 1.0  # µP: the logits' multiplier at the base width (then / m)
 
     def __post_init__(self) -> None:
+        self._derived = tuple(key for key in DERIVED_KEYS if getattr(self, key) == 0)
+        self._from_preset: tuple[str, ...] = ()  # set by config_from_dict
         if self.n_kv_head == 0:
             self.n_kv_head = self.n_head
         if self.max_positions == 0:
@@ -68,6 +77,21 @@ class ModelConfig:
             self.d_ff = (
                 4 * self.d_model if self.style == "gpt2" else 64 * ((int(self.d_model * 8 / 3) + 63) // 64)
             )
+
+    @property
+    def width_mult(self) -> float:
+        """µP's width multiplier m = d_model / mup_base_width (1.0 with µP off)."""
+        return self.d_model / self.mup_base_width if self.mup_base_width else 1.0
+
+    def derives(self, key: str) -> bool:
+        """Whether derived key `key` was left to be derived (set neither by the user nor a preset)."""
+        return key in self._derived
+
+    def to_dict(self) -> dict[str, Any]:
+        """What a saved config holds: the keys the user set. Derived keys left to be derived and
+        keys the preset filled in are left out, so that loading it derives them again."""
+        skip = {*self._derived, *self._from_preset}
+        return {key: value for key, value in asdict(self).items() if key not in skip}
 
     def validate(self) -> None:
         require_choice("model.style", self.style, ("gpt2", "llama"))
@@ -95,6 +119,14 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.mup_base_width < 0:
+            raise UserError(f"model.mup_base_width={self.mup_base_width} must be >= 0 (0 turns µP off)")
+        require_positive("model.mup_output_mult", self.mup_output_mult)
+        if self.mup_output_mult != 1.0 and not self.mup_base_width:
+            raise UserError(
+                f"model.mup_output_mult={self.mup_output_mult} is µP's and needs model.mup_base_width "
+                "(the width it applies at); set both, or leave mup_output_mult at 1"
+            )
 
 
 @dataclass
@@ -235,7 +267,7 @@ class ExperimentConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "model": self.model.to_dict()}
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
@@ -336,18 +368,20 @@ def config_from_dict(raw: dict[str, Any], cls: type[C] = ExperimentConfig) -> C:
     for key in raw:
         if key not in known and key != "name":
             raise UserError(f"unknown config section [{key}]{_did_you_mean(key, [*known, 'name'])}")
-    model_raw = dict(raw.get("model", {}))
-    preset = model_raw.get("preset", "")
+    model_raw = raw.get("model", {})
+    from_preset: list[str] = []
+    preset = model_raw.get("preset", "") if isinstance(model_raw, dict) else ""
     if preset:
         if preset not in PRESETS:
             raise UserError(f"unknown model.preset {preset!r}; known presets: {', '.join(PRESETS)}")
-        model_raw = {**PRESETS[preset], **model_raw}
-    raw["model"] = model_raw
+        from_preset = [key for key in PRESETS[preset] if key not in model_raw]
+        raw["model"] = {**PRESETS[preset], **model_raw}
     name = raw.get("name", "experiment")
     if not isinstance(name, str):
         raise UserError(f"name={name!r} must be a string")
     types = get_type_hints(cls)
     built = {key: _build_section(key, types[key], raw.get(key, {})) for key in known}
+    built["model"]._from_preset = tuple(from_preset)
     return cls(name=name, **built).validate()
 
 

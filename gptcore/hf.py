@@ -8,6 +8,11 @@ The mapping is mechanical because the model was laid out for it:
   linear weight is transposed; the fused qkv order (q | k | v) is the same.
 - llama: the fused `qkv` is split into q_proj / k_proj / v_proj; RoPE already uses HF's
   rotate-half layout, so no rows are permuted.
+- µP (gptcore.mup): HF's classes have no logit multiplier, and the head is tied to the input
+  embedding, so 1/m cannot go into the shared matrix. It goes into the final norm instead: the
+  logits are linear in the final norm's output, so its gain (and bias) times 1/m gives exactly
+  the logits / m. µP's attention scale is today's 1/sqrt(d_head) (d_head is fixed across widths),
+  so nothing else changes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ def to_hf_state_dict(model: GPT) -> tuple[dict[str, Any], dict[str, Tensor]]:
     def put(name: str, tensor: Tensor, transpose: bool = False) -> None:
         tensor = tensor.detach()
         sd[name] = (tensor.t() if transpose else tensor).contiguous().clone()
+
+    def put_final_norm(name: str, tensor: Tensor) -> None:
+        """The final norm's gain or bias, with µP's logit multiplier folded in."""
+        put(name, tensor if model.logit_mult is None else tensor * model.logit_mult)
 
     if cfg.style == "gpt2":
         if cfg.n_kv_head != cfg.n_head:
@@ -71,8 +80,8 @@ def to_hf_state_dict(model: GPT) -> tuple[dict[str, Any], dict[str, Tensor]]:
             ):
                 put(pre + theirs + ".weight", ours.weight, transpose=True)
                 put(pre + theirs + ".bias", ours.bias)
-        put("transformer.ln_f.weight", model.norm_f.weight)
-        put("transformer.ln_f.bias", model.norm_f.bias)
+        put_final_norm("transformer.ln_f.weight", model.norm_f.weight)
+        put_final_norm("transformer.ln_f.bias", model.norm_f.bias)
     else:
         head_dim = cfg.d_model // cfg.n_head
         kwargs = dict(
@@ -108,7 +117,7 @@ def to_hf_state_dict(model: GPT) -> tuple[dict[str, Any], dict[str, Tensor]]:
             put(pre + "mlp.gate_proj.weight", block.mlp.gate.weight)
             put(pre + "mlp.up_proj.weight", block.mlp.up.weight)
             put(pre + "mlp.down_proj.weight", block.mlp.proj.weight)
-        put("model.norm.weight", model.norm_f.weight)
+        put_final_norm("model.norm.weight", model.norm_f.weight)
     emb_key = "transformer.wte.weight" if cfg.style == "gpt2" else "model.embed_tokens.weight"
     sd["lm_head.weight"] = sd[emb_key]  # tied: the same tensor as the token embedding
     return kwargs, sd

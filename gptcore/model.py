@@ -8,6 +8,9 @@ and the same attention, `CausalSelfAttention`, which calls PyTorch's fused
 `F.scaled_dot_product_attention`. Names follow one rule so that the mapping onto Hugging Face's
 `GPT2LMHeadModel` / `LlamaForCausalLM` (see `gptcore.hf`) is a short table: `qkv` is the fused
 query/key/value projection, `proj` is whichever linear writes back into the residual stream.
+
+With `model.mup_base_width` set, the model is in µP (see `gptcore.mup`): the init of the block
+linears and the logit multiplier change with the width multiplier m; at m = 1 it is this model.
 """
 
 from __future__ import annotations
@@ -187,6 +190,8 @@ class GPT(nn.Module):
         self.norm_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied: one matrix reads and writes tokens
+        # µP's output multiplier (mup_output_mult / m) on the final hidden state (gptcore.mup); None: off.
+        self.logit_mult = cfg.mup_output_mult / cfg.width_mult if cfg.mup_base_width else None
         if cfg.style == "llama":
             cos, sin = rope_tables(cfg.d_model // cfg.n_head, cfg.max_positions, cfg.rope_theta)
             # Not persistent: derived from the config, so checkpoints hold parameters only.
@@ -197,15 +202,21 @@ class GPT(nn.Module):
     def _init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02) weights, zero biases, and every `proj` (a write into the residual
         stream) scaled by 1/sqrt(2*n_layer) so the residual's variance stays ~constant with depth.
-        PyTorch's default init with tied embeddings trains badly on small GPTs."""
+        PyTorch's default init with tied embeddings trains badly on small GPTs.
+
+        Under µP the block linears (the hidden matrices) get std / sqrt(m) on top, depth factor
+        included; embeddings, norms and biases keep theirs (gptcore.mup)."""
+        hidden_std = 0.02 / math.sqrt(self.cfg.width_mult)  # 0.02 with µP off
+        hidden = {id(m) for block in self.blocks for m in block.modules() if isinstance(m, nn.Linear)}
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                std = hidden_std if id(module) in hidden else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         for block in self.blocks:
             for proj in (block.attn.proj, block.mlp.proj):
-                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+                nn.init.normal_(proj.weight, mean=0.0, std=hidden_std / math.sqrt(2 * self.cfg.n_layer))
 
     def _hidden(self, idx: Tensor, kv_cache: KVCache | None = None) -> Tensor:
         """Token ids (B, T) -> final normed hidden states (B, T, d_model)."""
@@ -226,6 +237,11 @@ class GPT(nn.Module):
             kv_cache.length += T
         return self.norm_f(x)
 
+    def _logits(self, hidden: Tensor) -> Tensor:
+        """The tied readout; under µP of hidden x mup_output_mult / m (the same as scaling the logits,
+        as the head is linear)."""
+        return self.lm_head(hidden if self.logit_mult is None else hidden * self.logit_mult)
+
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, kv_cache: KVCache | None = None
     ) -> tuple[Tensor, Tensor | None]:
@@ -235,7 +251,7 @@ class GPT(nn.Module):
         The mean is over the targets that are not IGNORE_INDEX (SFT skips prompt tokens), and is 0
         when every target is skipped. The loss is computed in fp32 even under bf16 autocast.
         """
-        logits = self.lm_head(self._hidden(idx, kv_cache))
+        logits = self._logits(self._hidden(idx, kv_cache))
         if targets is None:
             return logits, None
         flat_logits, flat_targets = logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
@@ -274,7 +290,7 @@ class GPT(nn.Module):
                 hidden = self._hidden(idx[:, cache.length :], cache)  # the prompt, then 1 token
             else:
                 hidden = self._hidden(idx[:, -max_pos:])
-            logits = self.lm_head(hidden[:, -1, :]).float()
+            logits = self._logits(hidden[:, -1, :]).float()
             next_id = sample(logits, temperature, top_k, top_p, generator)
             if stop_token is not None:
                 next_id = next_id.masked_fill(finished, stop_token)

@@ -153,7 +153,7 @@ def _adamw_foreach(
 
 
 def param_groups(
-    model: nn.Module, weight_decay: float, decay_embeddings: bool = True
+    model: nn.Module, weight_decay: float, decay_embeddings: bool = True, mup_width_mult: float | None = None
 ) -> list[dict[str, Any]]:
     """Split trainable parameters into a decayed and a non-decayed group for AdamW.
 
@@ -161,17 +161,28 @@ def param_groups(
     norm gains (their neutral value is 1) and biases (no scale to control). Embedding tables are
     matrices too, but many recipes exclude them; `decay_embeddings` chooses. A parameter shared
     by two modules (the tied embedding / lm_head) is an embedding and appears once.
-    Groups: {"name": "decay" | "no_decay", "params": [...], "weight_decay": ...}; an empty group is
-    left out.
+
+    Under µP (`mup_width_mult` = m, see gptcore.mup) the hidden matrices (weights of the linears
+    that are not the tied head) go in a third group, "hidden", with lr x 1/m and weight decay x m,
+    so that their per-step decay lr x wd is the base width's. Each group's `lr_mult` is what the
+    trainer multiplies the scheduled lr by (1 where absent).
+    Groups: {"name": "decay" | "no_decay" | "hidden", "params": [...], "weight_decay": ...}; an
+    empty group is left out.
     """
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    hidden_ids = set()
+    if mup_width_mult is not None:
+        hidden_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)} - embedding_ids
     decay: list[Tensor] = []
     no_decay: list[Tensor] = []
+    hidden: list[Tensor] = []
     for p in model.parameters():  # yields each shared parameter once
         if not p.requires_grad:
             continue
         if id(p) in embedding_ids:
             (decay if decay_embeddings else no_decay).append(p)
+        elif id(p) in hidden_ids:
+            hidden.append(p)
         elif p.dim() >= 2:
             decay.append(p)
         else:
@@ -180,7 +191,16 @@ def param_groups(
         dict(name="decay", params=decay, weight_decay=weight_decay),
         dict(name="no_decay", params=no_decay, weight_decay=0.0),
     ]
+    if mup_width_mult is not None:
+        m = mup_width_mult
+        groups.insert(0, dict(name="hidden", params=hidden, weight_decay=weight_decay * m, lr_mult=1.0 / m))
     return [g for g in groups if g["params"]]
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the scheduled `lr` on every group, times the group's `lr_mult` (µP's hidden matrices)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
 
 
 def warmup_steps(total_steps: int, warmup: float) -> int:

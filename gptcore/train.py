@@ -45,7 +45,7 @@ from gptcore.errors import DivergedError, UserError
 from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
 from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
 from gptcore.model import GPT
-from gptcore.optim import AdamW, lr_at, param_groups
+from gptcore.optim import AdamW, lr_at, param_groups, set_lr
 from gptcore.tokenizer import token_byte_lengths
 
 SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio", "decay_fraction")  # optim.*
@@ -172,7 +172,12 @@ class Trainer:
         self.step_model = self.eager_step_model
         self.compile_decided = False
         self.optimizer = AdamW(
-            param_groups(self.model, cfg.optim.weight_decay, cfg.optim.decay_embeddings),
+            param_groups(
+                self.model,
+                cfg.optim.weight_decay,
+                cfg.optim.decay_embeddings,
+                cfg.model.width_mult if cfg.model.mup_base_width else None,
+            ),
             lr=cfg.optim.lr,
             betas=(cfg.optim.beta1, cfg.optim.beta2),
             eps=cfg.optim.eps,
@@ -230,8 +235,7 @@ class Trainer:
         skips the batch (no update) and counts towards the rollback guard."""
         t, o = self.cfg.train, self.cfg.optim
         lr = lr_at(self.step, self.total_steps, o) * self.lr_scale
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.step_model.train()
         torch.manual_seed(dropout_seed(t.seed, self.rank, self.batch_index))
         loss_sum = torch.zeros((), device=self.device)

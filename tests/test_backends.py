@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 
-from experiments.report.importance import too_few
 from experiments.storage import dashboard_command, rdb_storage, shown_url
 from gptcore.errors import UserError
 from tests.conftest import assert_user_error, run_cli, study_trials, write_sweep_config
@@ -268,8 +267,7 @@ def test_report_prints_the_dashboard_command_that_serves_the_study(team_sweep, p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next((s for s in proc.stdout.splitlines() if s.startswith("study: ")), None)
     assert line == f"study: optuna-dashboard {postgres.url()}", proc.stdout[-3000:]
-    complete = [t for t in study_trials(postgres.url(), "team") if t[1] == "COMPLETE"]
-    assert f"importances: {too_few(len(complete))}" in proc.stdout  # counted in the server's study
+    assert (tmp_path / "report" / "report.html").is_file()
 
     command = shlex.split(line.removeprefix("study: "))
     command[0] = str(Path(sys.executable).parent / command[0])  # the venv's console script

@@ -30,9 +30,13 @@ from gptcore.tokenizer import EOT, IM_END, IM_START, render_chat
 from gptcore.train import Trainer
 from tests.conftest import assert_user_error, run_cli, synthetic_documents, tiny_config_text
 
+LLAMA = ['model.style="llama"', "model.n_head=4", "model.n_kv_head=2", "model.rope_theta=500.0"]
+# µP at m = 4 (d_model 64, base 16): the logits' 1/4 must reach transformers through the weights.
 STYLES = {
     "gpt2": [],
-    "llama": ['model.style="llama"', "model.n_head=4", "model.n_kv_head=2", "model.rope_theta=500.0"],
+    "llama": LLAMA,
+    "gpt2-mup": ["model.mup_base_width=16"],
+    "llama-mup": [*LLAMA, "model.mup_base_width=16"],
 }
 MESSAGES = [
     {"role": "system", "content": "Answer as the queen."},
@@ -94,10 +98,11 @@ def checkpoints(tiny_data, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def exported(checkpoints, tmp_path_factory) -> dict[str, Path]:
-    """Each style exported through the CLI: gpt2 from the Ray Train folder, llama from its .pt."""
+    """Each style exported through the CLI: gpt2 from the Ray Train folder, the others from their .pt."""
     root = tmp_path_factory.mktemp("export_hf")
     out = {}
-    for style, source in (("gpt2", checkpoints["ray"]), ("llama", checkpoints["llama"])):
+    sources = {**{style: checkpoints[style] for style in STYLES}, "gpt2": checkpoints["ray"]}
+    for style, source in sources.items():
         out[style] = root / style
         proc = run_cli("export", str(source), "--hf", str(out[style]))
         assert proc.returncode == 0, proc.stderr
@@ -130,7 +135,15 @@ def loaded(exported, tmp_path_factory) -> tuple[dict, dict]:
     return inputs, torch.load(root / "results.pt")
 
 
-@pytest.mark.parametrize("style, cls", [("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")])
+@pytest.mark.parametrize(
+    "style, cls",
+    [
+        ("gpt2", "GPT2LMHeadModel"),
+        ("llama", "LlamaForCausalLM"),
+        ("gpt2-mup", "GPT2LMHeadModel"),
+        ("llama-mup", "LlamaForCausalLM"),
+    ],
+)
 def test_exported_model_gives_our_logits_and_greedy_tokens(checkpoints, loaded, style, cls):
     inputs, results = loaded
     theirs = results[style]

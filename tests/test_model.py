@@ -60,8 +60,10 @@ def tokens(shape: tuple[int, int], seed: int = 1) -> torch.Tensor:
     [
         tiny("gpt2", d_ff=48),
         tiny("llama", n_head=4, n_kv_head=2, rope_theta=500.0, norm_eps=1e-6, d_ff=80),
+        tiny("gpt2", d_ff=48, mup_base_width=8),
+        tiny("llama", n_head=4, n_kv_head=2, d_ff=80, mup_base_width=12, mup_output_mult=3.0),
     ],
-    ids=["gpt2", "llama-gqa"],
+    ids=["gpt2", "llama-gqa", "gpt2-mup", "llama-mup"],
 )
 def test_logits_match_hugging_face(cfg: ModelConfig) -> None:
     from gptcore.hf import build_hf_model  # transformers: in the dev extra, never skipped

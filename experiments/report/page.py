@@ -18,7 +18,7 @@ from experiments.report import interactive
 from experiments.report.common import CommonBudget
 from experiments.report.importance import Importances
 from experiments.results import short_params
-from experiments.space import Space
+from experiments.space import Space, config_value
 from experiments.table import fmt_sci, fmt_tokens
 from experiments.warm_start import WARM_FROM, WARM_TRIAL
 
@@ -263,8 +263,7 @@ def noise_html(noise: dict[str, Any] | None, exp_dir: Path, out_dir: Path) -> st
 
 def baseline_note(cfg: RayExperiment, space: Space, trials: list[dict[str, Any]]) -> str:
     """How many trials ran the base config's own values: the one to beat."""
-    raw = cfg.to_dict()
-    base = {p.key: raw[p.key.partition(".")[0]][p.key.partition(".")[2]] for p in space.params}
+    base = {p.key: config_value(cfg, p.key) for p in space.params}
     same = sum(all(_same(space.overrides(t["config"]).get(k), v) for k, v in base.items()) for t in trials)
     sci = {p.key for p in space.params if p.kind == "loguniform"}
     values = ", ".join(
