@@ -1,14 +1,19 @@
-"""Full training-step throughput and MFU: fp32 vs bf16 autocast, and gptcore's AdamW vs torch's.
+"""Full training-step throughput and MFU: fp32 vs bf16 autocast, gptcore's AdamW vs torch's, and
+eager vs torch.compile'd model.
 
 A step is what the training loop does: forward + loss (in `gptcore.train.autocast` of the
 precision), backward, clip_grad_norm(1.0), optimizer step, zero_grad. Per preset, one model per
 (precision, optimizer), all from the same init, train on the same random tokens, steps alternating
 so that machine-load drift hits all alike. MFU = tokens/s * GPT.flops_per_token / the peak of the
 variant's own precision (gptcore.mfu: measured fp32 or bf16 matmul peak on CPU, the datasheet
-dense bf16 peak on GPU, for fp32 too).
+dense bf16 peak on GPU, for fp32 too). A compiled variant compiles the model as the trainer does
+(`torch.compile(model)`), first with an empty inductor cache (cold), then again after
+`torch._dynamo.reset()` from the on-disk cache the first compile filled (warm, as a later trial
+on the node); its compile seconds are the first step's time less a compiled step's.
 
     python benchmarks/step.py [--device cpu|cuda] [--presets quickstart minimind-26m]
                               [--precision fp32,bf16] [--optimizers torch,ours]
+                              [--modes eager,compiled]
                               [--batch-size B] [--seq-len T] [--steps N] [--warmup W]
 """
 
@@ -16,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -33,12 +40,12 @@ SHAPES = {
     "cpu": {"quickstart": (8, 128), "minimind-26m": (4, 256)},
     "cuda": {"quickstart": (64, 128), "minimind-26m": (32, 512)},
 }
-LABELS = {"torch": "torch.optim.AdamW(foreach=True)", "ours": "gptcore.optim.AdamW"}
+LABELS = {"torch": "torch AdamW(foreach)", "ours": "gptcore AdamW"}
 SHORT = {"torch": "torch AdamW", "ours": "gptcore AdamW"}
 
 
 def train_step(
-    model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, precision: str
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, precision: str
 ) -> None:
     """One training step (the loop's, without grad accumulation)."""
     with autocast(x.device, precision):
@@ -47,6 +54,31 @@ def train_step(
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def compile_seconds(
+    model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, precision: str
+) -> tuple[torch.nn.Module, float, float]:
+    """torch.compile `model`: (the compiled module, cold and warm compile seconds). Each compile
+    is the first compiled step's time less the median of three compiled steps."""
+    timings = []
+    for _ in ("cold", "warm"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model)
+        first = timed_step(compiled, opt, x, y, precision)
+        steady = statistics.median(timed_step(compiled, opt, x, y, precision) for _ in range(3))
+        timings.append(first - steady)
+    return compiled, timings[0], timings[1]
+
+
+def timed_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x, y, precision: str) -> float:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    t0 = time.perf_counter()
+    train_step(model, opt, x, y, precision)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter() - t0
 
 
 def make_optimizer(name: str, model: GPT) -> torch.optim.Optimizer:
@@ -63,7 +95,7 @@ def bench_preset(
     seq_len: int,
     steps: int,
     warmup: int,
-    variants: list[tuple[str, str]],
+    variants: list[tuple[str, str, str]],
     peaks: dict[str, float],
 ) -> None:
     cfg = load_config(None, [f'model.preset="{preset}"', f"model.seq_len={seq_len}"]).model
@@ -77,40 +109,50 @@ def bench_preset(
     x, y = (
         torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen, device=device) for _ in range(2)
     )
+    compiles: dict[tuple[str, str, str], tuple[float, float]] = {}
+    for v in variants:
+        if v[2] == "compiled":
+            models[v], *compiles[v] = compile_seconds(models[v], optimizers[v], x, y, v[0])
 
-    times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+    times: dict[tuple[str, str, str], list[float]] = {v: [] for v in variants}
     for i in range(warmup + steps):
         for v, model in models.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            train_step(model, optimizers[v], x, y, v[0])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            seconds = timed_step(model, optimizers[v], x, y, v[0])
             if i >= warmup:
-                times[v].append(time.perf_counter() - t0)
+                times[v].append(seconds)
 
     flops = first.flops_per_token(seq_len)
     print(
         f"{preset}: {cfg.style}, {first.num_params() / 1e6:.1f}M params, "
         f"B={batch} T={seq_len}, {flops / 1e6:.1f} MFLOP/token, median of {steps} steps"
     )
-    print(f"  {'precision':<10}{'optimizer':<34}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}")
+    print(
+        f"  {'precision':<10}{'optimizer':<22}{'model':<10}{'ms/step':>9}{'tokens/s':>10}{'MFU':>7}"
+        f"{'compile s cold / warm':>23}"
+    )
     rate = {}
     for v in variants:
         seconds = statistics.median(times[v])
         rate[v] = batch * seq_len / seconds
         util = mfu(rate[v], flops, peaks[v[0]])
         shown = f"{100 * util:.1f}%" if peaks[v[0]] > 0 else "n/a"
-        print(f"  {v[0]:<10}{LABELS[v[1]]:<34}{seconds * 1e3:>10.1f}{rate[v]:>12.0f}{shown:>8}")
-    precisions, names = {v[0] for v in variants}, {v[1] for v in variants}
-    if precisions == {"fp32", "bf16"}:
-        for name in sorted(names):
-            ratio = rate[("bf16", name)] / rate[("fp32", name)]
-            print(f"  ratio bf16/fp32 (tokens/s), {SHORT[name]:<20}{ratio:>10.3f}x")
-    if names == {"torch", "ours"}:
-        for p in sorted(precisions, reverse=True):  # fp32 first
-            print(f"  ratio ours/torch (tokens/s), {p:<20}{rate[(p, 'ours')] / rate[(p, 'torch')]:>10.3f}x")
+        compiled = f"{compiles[v][0]:.1f} / {compiles[v][1]:.1f}" if v in compiles else ""
+        row = f"  {v[0]:<10}{LABELS[v[1]]:<22}{v[2]:<10}{seconds * 1e3:>9.1f}{rate[v]:>10.0f}"
+        print(f"{row}{shown:>7}{compiled:>23}")
+    precisions, names, modes = ({v[i] for v in variants} for i in range(3))
+    for mode in sorted(modes, reverse=True):  # eager first
+        if precisions == {"fp32", "bf16"}:
+            for name in sorted(names):
+                ratio = rate[("bf16", name, mode)] / rate[("fp32", name, mode)]
+                print(f"  ratio bf16/fp32 (tokens/s), {SHORT[name]}, {mode:<12}{ratio:>10.3f}x")
+        if names == {"torch", "ours"}:
+            for p in sorted(precisions, reverse=True):  # fp32 first
+                ratio = rate[(p, "ours", mode)] / rate[(p, "torch", mode)]
+                print(f"  ratio ours/torch (tokens/s), {p}, {mode:<17}{ratio:>10.3f}x")
+    if modes == {"eager", "compiled"}:
+        for p, name in itertools.product(sorted(precisions, reverse=True), sorted(names)):
+            ratio = rate[(p, name, "compiled")] / rate[(p, name, "eager")]
+            print(f"  ratio compiled/eager (tokens/s), {p}, {SHORT[name]:<14}{ratio:>10.3f}x")
 
 
 def comma_list(choices: tuple[str, ...]):
@@ -130,6 +172,7 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["quickstart", "minimind-26m"])
     parser.add_argument("--precision", type=comma_list(("fp32", "bf16")), default=["fp32", "bf16"])
     parser.add_argument("--optimizers", type=comma_list(("torch", "ours")), default=["torch", "ours"])
+    parser.add_argument("--modes", type=comma_list(("eager", "compiled")), default=["eager"])
     parser.add_argument("--batch-size", type=int, default=0, help="0: a per-preset default")
     parser.add_argument("--seq-len", type=int, default=0, help="0: a per-preset default")
     parser.add_argument(
@@ -150,7 +193,9 @@ def main() -> None:
     for precision in args.precision:
         peaks[precision], desc = device_peak_flops(device, precision)
         print(f"device {device}, {precision} peak: {desc}")
-    variants = list(itertools.product(args.precision, args.optimizers))
+    variants = list(itertools.product(args.precision, args.optimizers, args.modes))
+    if "compiled" in args.modes:  # an empty inductor cache: the first compile is a cold one
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="step-bench-inductor-")
     for preset in args.presets:
         default_batch, default_len = SHAPES["cpu" if on_cpu else "cuda"].get(preset, (8, 128))
         batch, seq_len = args.batch_size or default_batch, args.seq_len or default_len

@@ -7,12 +7,14 @@ model keys it names; keys given explicitly in the file win over the preset.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
+import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar, get_origin, get_type_hints
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import tomli_w
 import tomllib
@@ -39,6 +41,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 DERIVED_KEYS = ("n_kv_head", "d_ff", "max_positions")
 
 
+# The [model] keys that fix the weights' shapes: a checkpoint loads only into the same ones.
+SHAPE_KEYS = ("style", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_positions", "vocab_size")
 PRECISIONS = ("auto", "fp32", "bf16")  # train.precision
 STAGES = ("pretrain", "sft")  # train.stage
 
@@ -181,7 +185,9 @@ class TrainConfig:
     # "auto" | "fp32" | "bf16": bf16 autocast of forward + loss over fp32 weights and optimizer
     # state; auto is bf16 on a GPU with bf16 and on a CPU whose bf16 matmul is >= 1.5x its fp32.
     precision: str = "auto"
-    compile: bool = False
+    # "auto" | true | false: torch.compile the model; auto when the run is long enough to repay
+    # the compile (gptcore.autocompile)
+    compile: bool | str = "auto"
     out: str = "runs/quickstart"
     max_bad_steps: int = 5  # consecutive NaN/inf steps before a rollback
     max_rollbacks: int = 3  # rollbacks before the run stops as diverged
@@ -215,6 +221,10 @@ class TrainConfig:
         check_device_name(self.device, "train.device")
         require_choice("train.precision", self.precision, PRECISIONS)
         require_choice("train.stage", self.stage, STAGES)
+        if self.compile not in (True, False, "auto"):
+            raise UserError(
+                f'train.compile={self.compile!r} must be "auto", true or false (true and false unquoted)'
+            )
 
 
 @dataclass
@@ -409,13 +419,18 @@ def _coerce(key: str, want: Any, value: Any) -> Any:
     elif want is str:
         if isinstance(value, str):
             return value
+    elif isinstance(want, types.UnionType):  # bool | str: the first type that takes the value
+        for arm in get_args(want):
+            with contextlib.suppress(UserError):
+                return _coerce(key, arm, value)
     elif get_origin(want) is list:  # list[str]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
         raise UserError(f"config key {key} must be a list of strings, got {value!r}")
     elif isinstance(value, dict):  # dict[str, Any]
         return value
-    type_name = getattr(want, "__name__", str(want))
+    arms = get_args(want) if isinstance(want, types.UnionType) else (want,)
+    type_name = " or ".join(getattr(arm, "__name__", str(arm)) for arm in arms)
     raise UserError(f"config key {key} must be a {type_name}, got {value!r}")
 
 

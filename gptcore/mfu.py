@@ -14,18 +14,13 @@ measure again.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import platform
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from gptcore.atomic import atomic_file
-from gptcore.data import cache_dir
+from gptcore.measured import locked_table, table_path
 
 # Dense bf16 tensor-core peak FLOP/s by a substring of torch.cuda.get_device_name(), matched
 # case-insensitively, longest key first (so "H100 PCIE" wins over "H100", "A100" over "A10").
@@ -80,14 +75,14 @@ def device_peak_flops(device: torch.device | str, precision: str) -> tuple[float
         peak = cpu_matmul_flops(precision)
         return peak, (
             f"{_cpu_name()}, {torch.get_num_threads()} threads: {peak / 1e9:.1f} GFLOP/s {precision} "
-            f"matmul (measured once, cached in {cache_dir() / _CACHE_FILE}; delete it to re-measure)"
+            f"matmul (measured once, cached in {table_path(_CACHE_FILE)}; delete it to re-measure)"
         )
     return 0.0, f"no peak known for device type {device.type!r}"
 
 
 def cpu_matmul_flops(precision: str) -> float:
     """This CPU's measured matmul FLOP/s in `precision` with torch's current thread count."""
-    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    key = f"{machine_name(torch.device('cpu'))}|torch={torch.__version__}"
     if precision != "fp32":  # the fp32 key is the one caches written before bf16 already hold
         key += f"|{precision}"
     return _cpu_peak_flops(key, DTYPES[precision])
@@ -98,6 +93,13 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops: float) -> flo
     if peak_flops <= 0:
         return 0.0
     return tokens_per_sec * flops_per_token / peak_flops
+
+
+def machine_name(device: torch.device) -> str:
+    """What a measurement on `device` holds for: the GPU's name, or the CPU's with its threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{_cpu_name()}|threads={torch.get_num_threads()}" if device.type == "cpu" else device.type
 
 
 def _cpu_name() -> str:
@@ -111,46 +113,16 @@ def _cpu_name() -> str:
 
 
 def _cpu_peak_flops(key: str, dtype: torch.dtype) -> float:
-    """Measured matmul FLOP/s for this key, from memory, the disk cache, or a ~1 s run."""
+    """Measured matmul FLOP/s for this key, from memory, the disk cache, or a ~1 s run. The
+    measurement runs under the cache's lock: trials starting together on a fresh node would
+    otherwise all measure at once, each on a share of the CPU, and cache a fraction of its peak."""
     if key in _measured:
         return _measured[key]
-    path = cache_dir() / _CACHE_FILE
-    with _cache_lock(path):
-        table = _read_cache(path)
+    with locked_table(_CACHE_FILE) as table:
         if not isinstance(table.get(key), (int, float)):
             table[key] = _measure_matmul_flops(dtype=dtype)
-            try:
-                with atomic_file(path) as tmp:
-                    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-            except OSError:
-                pass  # a read-only cache only costs a re-measurement next time
-    _measured[key] = float(table[key])
+        _measured[key] = float(table[key])
     return _measured[key]
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return table if isinstance(table, dict) else {}
-
-
-@contextlib.contextmanager
-def _cache_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on a file beside the cache while reading it and measuring. Trials
-    starting together on a fresh node would otherwise all measure at once, each on a share of
-    the CPU, and cache a fraction of its peak; with it one measures and the others wait, then
-    read its figure. Where the cache folder cannot be written there is no lock (and no cache)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 - closed below
-    except OSError:
-        yield
-        return
-    with lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file is closed
-        yield
 
 
 def _measure_matmul_flops(n: int = 1024, seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:

@@ -35,9 +35,10 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 from torch import nn
 
+from gptcore import autocompile
 from gptcore.chat_data import ChatData, open_prepared
 from gptcore.checkpoint import load_checkpoint
-from gptcore.config import ExperimentConfig, model_world_config, run_budget, run_length
+from gptcore.config import SHAPE_KEYS, ExperimentConfig, model_world_config, run_budget, run_length
 from gptcore.data import IGNORE_INDEX, TokenData
 from gptcore.device import resolve_device
 from gptcore.errors import DivergedError, UserError
@@ -47,7 +48,6 @@ from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at, param_groups, set_lr
 from gptcore.tokenizer import token_byte_lengths
 
-SHAPE_KEYS = ("style", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_positions", "vocab_size")
 SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio", "decay_fraction")  # optim.*
 Report = Callable[[dict[str, float], dict[str, Any]], None]
 
@@ -166,11 +166,11 @@ class Trainer:
             self.lora_base = base_record(cfg.train.init_from, self.model.state_dict())
             lora_summary = add_lora(self.model, cfg.lora)
         self.model.to(self.device)
-        self.step_model = self.model  # what train_step calls: DDP and/or torch.compile wrap it
-        if cfg.train.compile:
-            self.step_model = torch.compile(self.step_model)
-        if wrap is not None:
-            self.step_model = wrap(self.step_model)
+        # What train_step calls: DDP wraps the model here, torch.compile wraps that in `fit`
+        # (`_choose_compile`). Checkpoints and evaluation use `self.model`, never a wrapper.
+        self.eager_step_model = wrap(self.model) if wrap is not None else self.model
+        self.step_model = self.eager_step_model
+        self.compile_decided = False
         self.optimizer = AdamW(
             param_groups(
                 self.model,
@@ -185,12 +185,9 @@ class Trainer:
         budget = run_budget(cfg, world_size)
         self.tokens_per_step, self.total_steps = budget.tokens_per_step, budget.total_steps
         self.flops_per_token = self.model.flops_per_token(cfg.model.seq_len)
-        self.precision, self.precision_reason = resolve_precision(cfg.train.precision, self.device)
-        if world_size > 1 and dist.is_available() and dist.is_initialized():
-            # Rank 0's choice for all: ranks measuring a CPU at once could land either side of auto's bar.
-            choice = [self.precision, self.precision_reason]
-            dist.broadcast_object_list(choice, src=0)
-            self.precision, self.precision_reason = choice
+        self.precision, self.precision_reason = self._rank0_choice(
+            *resolve_precision(cfg.train.precision, self.device)
+        )
         self.peak_flops, self.peak_source = device_peak_flops(self.device, self.precision)
         self.tokenizer_json = self.data.tokenizer_text()  # every checkpoint carries its tokenizer
         # UTF-8 bytes of each token id, for bits per byte on exactly the tokens evaluated.
@@ -211,6 +208,14 @@ class Trainer:
         self._snapshot: dict[str, Any] | None = None  # last checkpoint, for rollbacks
         if cfg.train.init_from:
             self.log(f"weights from {cfg.train.init_from}" + (f" | {lora_summary}" if cfg.lora.rank else ""))
+
+    def _rank0_choice(self, *choice: Any) -> list[Any]:
+        """Rank 0's values for all ranks: ranks measuring one machine at once could land either
+        side of an auto bar (precision, compile)."""
+        values = list(choice)
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(values, src=0)
+        return values
 
     def _init_from(self, path: str) -> None:
         """Start from a checkpoint's weights (a LoRA one merged): same shape and tokenizer, fresh
@@ -317,6 +322,77 @@ class Trainer:
             f"(rollback {self.rollbacks}/{self.cfg.train.max_rollbacks})"
         )
 
+    # ---------------------------------------------------------------- torch.compile
+    def _choose_compile(self) -> str:
+        """Settle `train.compile` (see `gptcore.autocompile`): time the eager model step, decide,
+        compile and measure what compiling cost and gained. Returns the line for the log. A
+        failing compile (an unsupported op, no C compiler) leaves the run eager."""
+        setting = self.cfg.train.compile
+        if setting is False:
+            return "compile off (train.compile=false)"
+        key = autocompile.cost_key(self.device, self.cfg, self.precision)
+        eager_seconds = min(self._time_model_step(self.model) for _ in range(2))  # 1st: warm-up
+        if setting == "auto":
+            micro_steps_left = (self.total_steps - self.step) * self.cfg.train.grad_accum
+            on, line = autocompile.decide(
+                micro_steps_left, eager_seconds, autocompile.expected_cost(key, self.device)
+            )
+        else:
+            on, line = True, "compile on (train.compile=true)"
+        on, line = self._rank0_choice(on, line)
+        if not on:
+            return line
+        autocompile.share_compile_cache()
+        compiled = torch.compile(self.eager_step_model)
+        try:
+            first_seconds = self._time_model_step(compiled)  # compiles forward and backward
+        except Exception as err:  # torch raises many types: BackendCompilerFailed, InductorError, ...
+            self.optimizer.zero_grad(set_to_none=True)
+            reason = next((s for s in str(err).splitlines() if s.strip()), "")[:200]
+            return f"warning: torch.compile failed, training eager ({type(err).__name__}: {reason})"
+        self.step_model = compiled
+        compiled_seconds = min(self._time_model_step(compiled) for _ in range(2))
+        measured = autocompile.CompileCost(
+            max(first_seconds - compiled_seconds, 0.0), eager_seconds / compiled_seconds, "measured"
+        )
+        if self.rank == 0:
+            autocompile.record(key, measured)
+        return (
+            f"{line} | compiled in {autocompile.duration(measured.seconds)}: model step "
+            f"{eager_seconds * 1e3:.0f} -> {compiled_seconds * 1e3:.0f} ms ({measured.speedup:.2f}x)"
+        )
+
+    def _time_model_step(self, model: nn.Module) -> float:
+        """Seconds of one forward + backward of `model` on the next training batch, gradients
+        then dropped: progress, weights and optimizer stay as they were (dropout draws from the
+        RNG, which every step seeds anew)."""
+        t = self.cfg.train
+        x, y = self.data.train_batch(
+            seed=t.seed,
+            step=self.batch_index,
+            micro=0,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=t.batch_size,
+            grad_accum=t.grad_accum,
+            seq_len=self.cfg.model.seq_len,
+        )
+        x, y = x.to(self.device), y.to(self.device)
+        model.train()
+        self._synchronize()
+        start = time.perf_counter()
+        with autocast(self.device, self.precision):
+            _, loss = model(x, y)
+        loss.backward()
+        self._synchronize()
+        seconds = time.perf_counter() - start
+        self.optimizer.zero_grad(set_to_none=True)
+        return seconds
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -365,10 +441,11 @@ class Trainer:
             )
             if isinstance(self.data, ChatData):
                 self.log(self.data.beyond_windows(self.cfg.model.seq_len))
-            if t.init_from:  # the starting point, so that the log shows what fine-tuning gained
-                self.log(
-                    f"eval step 0 (weights of train.init_from) | val loss {self.evaluate()['val_loss']:.4f}"
-                )
+        if not self.compile_decided:
+            self.log(self._choose_compile())
+            self.compile_decided = True
+        if self.step == 0 and t.init_from:  # the starting point, to show what fine-tuning gained
+            self.log(f"eval step 0 (weights of train.init_from) | val loss {self.evaluate()['val_loss']:.4f}")
         metrics: dict[str, float] = {}
         reported_step = -1
         window_start, window_steps, window_data = time.perf_counter(), 0, 0.0

@@ -1,0 +1,211 @@
+"""`train.compile`: auto's decision and its cache, compiled and eager runs interchangeable, the
+eager fallback. Compiling even the tiny model takes seconds on a CPU, so few tests compile, and
+those share one model shape (the in-process and on-disk caches then serve the later ones)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+import torch._dynamo
+
+from gptcore import autocompile
+from gptcore.autocompile import CompileCost, decide
+from gptcore.checkpoint import load_checkpoint, save_checkpoint
+from gptcore.config import load_config
+from gptcore.errors import UserError
+from gptcore.train import Trainer
+from tests.conftest import run_cli, tiny_config_text
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh gptrun cache folder, with inductor's cache left for gptrun to place in it."""
+    monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    return tmp_path / "cache"
+
+
+def make_config(tiny_data, tmp_path, *overrides: str):
+    path = tmp_path / "exp.toml"
+    path.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    return load_config(path, ["train.precision=fp32", *overrides])
+
+
+def losses_of(trainer: Trainer, **fit) -> list[float]:
+    """Fit `trainer` and return the loss of every step it took."""
+    losses: list[float] = []
+    original = trainer.train_step
+
+    def recording() -> dict[str, float]:
+        metrics = original()
+        losses.append(metrics["loss"])
+        return metrics
+
+    trainer.train_step = recording
+    trainer.fit(**fit)
+    return losses
+
+
+def test_auto_weighs_the_compile_time_against_the_time_it_saves():
+    cost = CompileCost(seconds=28.0, speedup=1.25, source="measured")
+    # 10,000 micro-steps of 0.2 s: 2,000 s eager, 400 s saved for 28 s of compiling.
+    on, line = decide(10_000, 0.2, cost)
+    assert on and line == (
+        "compile on (auto): ~28 s to save ~6.7 min (200 ms eager model step x 10,000 left, "
+        "1.25x faster compiled; compile cost measured)"
+    )
+    on, line = decide(100, 0.2, cost)  # 4 s saved
+    assert not on and line.startswith("compile off (auto): ~28 s to save ~4 s (")
+    assert not decide(10**9, 0.2, CompileCost(1.0, 0.9, "measured"))[0]  # slower compiled: never
+    assert decide(10**9, 0.2, None) == (
+        False,
+        "compile off (auto: torch.compile is chosen on cpu and cuda only)",
+    )
+
+
+def test_the_cost_cache_falls_back_to_the_prior_and_refreshes_only_when_far_off(cache):
+    cpu = torch.device("cpu")
+    assert autocompile.expected_cost("k", cpu) == autocompile.PRIORS["cpu"]
+    assert autocompile.expected_cost("k", torch.device("mps")) is None
+    autocompile.record("k", CompileCost(20.0, 1.2, "measured"))
+    assert autocompile.expected_cost("k", cpu) == CompileCost(20.0, 1.2, "measured")
+    autocompile.record("k", CompileCost(25.0, 1.3, "measured"))  # within 1.5x: kept
+    assert autocompile.expected_cost("k", cpu).seconds == 20.0
+    autocompile.record("k", CompileCost(4.0, 1.3, "measured"))  # a warm cache: 5x faster
+    assert autocompile.expected_cost("k", cpu) == CompileCost(4.0, 1.3, "measured")
+    (cache / autocompile.COSTS_FILE).write_text("{not json")  # damaged: the prior, then rewritten
+    assert autocompile.expected_cost("k", cpu) == autocompile.PRIORS["cpu"]
+    autocompile.record("k", CompileCost(3.0, 1.1, "measured"))
+    assert json.loads((cache / autocompile.COSTS_FILE).read_text()) == {"k": {"seconds": 3.0, "speedup": 1.1}}
+
+
+def test_compile_is_auto_true_or_false_and_anything_else_is_one_line():
+    assert load_config(None, []).train.compile == "auto"
+    assert load_config(None, ["train.compile=true"]).train.compile is True
+    for value in ('"yes"', '"true"'):
+        with pytest.raises(UserError, match=r'^train.compile=.* must be "auto", true or false'):
+            load_config(None, [f"train.compile={value}"])
+    for value in ("3", "[true]"):
+        with pytest.raises(UserError, match=r"^config key train.compile must be a bool or str, got"):
+            load_config(None, [f"train.compile={value}"])
+
+
+def test_auto_stays_eager_for_a_short_run_and_says_why(tiny_data, tmp_path, cache):
+    logs: list[str] = []
+    trainer = Trainer(make_config(tiny_data, tmp_path), log=logs.append)
+    trainer.fit(stop_at_step=1)
+    assert trainer.step_model is trainer.model
+    line = next(entry for entry in logs if entry.startswith("compile "))
+    assert logs.index(line) == 2  # after the run length and the model line
+    assert re.match(
+        r"compile off \(auto\): ~30 s to save ~\d\.\d s \(\d+ ms eager model step", line
+    )  # CPU prior
+    assert line.endswith(" x 12 left, 1.20x faster compiled; compile cost a guess)")
+    false_logs: list[str] = []
+    Trainer(make_config(tiny_data, tmp_path, "train.compile=false"), log=false_logs.append).fit(
+        stop_at_step=1
+    )
+    assert false_logs[2] == "compile off (train.compile=false)"
+
+
+def test_compiled_runs_resume_and_checkpoints_cross_modes(tiny_data, tmp_path, cache):
+    compiled = make_config(tiny_data, tmp_path, "train.compile=true")
+    logs: list[str] = []
+    full = Trainer(compiled, log=logs.append)
+    full_losses = losses_of(full)
+    assert isinstance(full.step_model, torch._dynamo.eval_frame.OptimizedModule)
+    assert any(entry.startswith("compile on (train.compile=true) | compiled in ") for entry in logs)
+    # The compile cost is measured and cached, and inductor's caches live in gptrun's folder.
+    (entry,) = json.loads((cache / autocompile.COSTS_FILE).read_text()).values()
+    assert entry["seconds"] >= 0 and entry["speedup"] > 0
+    assert any((cache / "torch-compile").iterdir())
+
+    saved = {}
+    first = Trainer(compiled, log=None)
+    first_losses = losses_of(
+        first, on_report=lambda m, s: saved.update(state=s) if s else None, stop_at_step=6
+    )
+    path = save_checkpoint(tmp_path / "compiled.pt", saved["state"])
+    assert not [k for k in saved["state"]["model"] if "_orig_mod" in k]
+    second = Trainer(compiled, log=None)
+    second.load_state_dict(load_checkpoint(path))
+    # Not bit-identical: two fresh compiled CPU runs already differ in the last bit of a loss now
+    # and then (torch 2.13's inductor kernels), unlike eager runs (test_train's resume test).
+    assert first_losses + losses_of(second) == pytest.approx(full_losses, rel=1e-5, abs=0)
+    assert (second.step, second.batch_index) == (full.step, full.batch_index)
+    for a, b in zip(full.model.parameters(), second.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    # A compiled checkpoint resumes eager, and an eager one compiled: same run, within float noise.
+    eager = Trainer(make_config(tiny_data, tmp_path, "train.compile=false"), log=None)
+    eager.load_state_dict(load_checkpoint(path))
+    assert losses_of(eager) == pytest.approx(full_losses[6:], rel=1e-4)
+    eager_saved = {}
+    Trainer(make_config(tiny_data, tmp_path, "train.compile=false"), log=None).fit(
+        on_report=lambda m, s: eager_saved.update(state=s) if s else None, stop_at_step=6
+    )
+    back = Trainer(compiled, log=None)
+    back.load_state_dict(eager_saved["state"])
+    assert losses_of(back) == pytest.approx(full_losses[6:], rel=1e-4)
+
+
+def test_auto_compiles_when_the_cached_cost_says_it_pays(tiny_data, tmp_path, cache):
+    cfg = make_config(tiny_data, tmp_path)
+    key = autocompile.cost_key(torch.device("cpu"), cfg, "fp32")
+    autocompile.record(key, CompileCost(seconds=1e-4, speedup=50.0, source="measured"))
+    logs: list[str] = []
+    trainer = Trainer(cfg, log=logs.append)
+    trainer.fit(stop_at_step=2)
+    assert isinstance(trainer.step_model, torch._dynamo.eval_frame.OptimizedModule)
+    assert logs[2].startswith("compile on (auto): ~0.0 s to save ~")
+    assert "50.00x faster compiled; compile cost measured) | compiled in " in logs[2]
+    # The compile landed far from the cached 0.1 ms (longer cold, ~0 s from this process's own
+    # compiled graph): the cache now holds the measured figures.
+    refreshed = autocompile.expected_cost(key, torch.device("cpu"))
+    assert refreshed.source == "measured" and refreshed.speedup != 50.0
+
+
+def test_a_failing_compile_trains_eager_with_one_warning(tiny_data, tmp_path, cache):
+    """A real inductor failure: no C++ compiler (CXX names none). In a process of its own, so
+    that no kernel this process built, and no compiler check it cached, can stand in."""
+    config = tmp_path / "exp.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run", precision="fp32"))
+    env = {"CXX": str(tmp_path / "no-such-g++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = run_cli("train", str(config), "--local", "--set", "train.compile=true", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stdout.splitlines() if "torch.compile" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: torch.compile failed, training eager ("), (
+        warnings
+    )
+    assert "Traceback" not in proc.stderr
+    # Exactly the eager run: the same validation losses, bit for bit.
+    eager = Trainer(load_config(config, ["train.compile=false"]), log=None)
+    evals: list[float] = []
+    eager.fit(on_report=lambda metrics, _state: evals.append(metrics["val_loss"]))
+    reports = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["val_loss"] for line in reports] == evals
+
+
+def test_lora_trains_compiled(tiny_data, pretrained, tmp_path, cache):
+    cfg = make_config(
+        tiny_data, tmp_path, f'train.init_from="{pretrained}"', "lora.rank=2", "train.compile=true"
+    )
+    saved, logs = {}, []
+    trainer = Trainer(cfg, log=logs.append)
+    losses = losses_of(trainer, on_report=lambda m, s: saved.update(state=s) if s else None, stop_at_step=4)
+    assert isinstance(trainer.step_model, torch._dynamo.eval_frame.OptimizedModule), logs
+    assert all(math.isfinite(x) for x in losses)
+    keys = list(saved["state"]["model"])
+    assert keys and all(".lora_" in k and "_orig_mod" not in k for k in keys)
+    eager = Trainer(
+        make_config(
+            tiny_data, tmp_path, f'train.init_from="{pretrained}"', "lora.rank=2", "train.compile=false"
+        ),
+        log=None,
+    )
+    eager.load_state_dict(saved["state"])
+    assert eager.step == 4 and math.isfinite(eager.fit()["val_loss"])
