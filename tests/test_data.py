@@ -74,12 +74,12 @@ def test_meta_fields(data: TokenData) -> None:
 def test_format_constants_and_cache_dir_have_one_definition(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gptcore import config, corpora, mfu, prepare, tokenizer
+    from gptcore import autocompile, config, corpora, measured, prepare, tokenizer
 
     assert data_module.VOCAB_LIMIT == 65536  # uint16 holds ids 0..65535
     assert prepare.VOCAB_LIMIT is tokenizer.VOCAB_LIMIT is config.VOCAB_LIMIT is data_module.VOCAB_LIMIT
     assert prepare.FORMAT_VERSION is data_module.FORMAT_VERSION
-    assert corpora.cache_dir is mfu.cache_dir is data_module.cache_dir
+    assert corpora.cache_dir is measured.cache_dir is autocompile.cache_dir is data_module.cache_dir
     monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
     assert data_module.cache_dir() == tmp_path
     tokenizer.check_vocab_size(65536)  # the largest vocabulary uint16 shards hold

@@ -12,7 +12,10 @@ from experiments.config import load_experiment
 from experiments.space import parse_space
 from tests.conftest import assert_user_error, run_cli, write_sweep_config
 
-SHIPPED = sorted((Path(__file__).parent.parent / "experiments" / "configs").glob("*.toml"))
+CONFIGS = Path(__file__).parent.parent / "experiments" / "configs"
+SHIPPED = sorted(CONFIGS.glob("*.toml"))
+# mup-target is trained, not swept: `gptrun transfer` fills it from a sweep of mup-proxy
+SWEPT = [p for p in SHIPPED if p.stem != "mup-target"]
 
 
 def test_asha_rungs_and_expected_tokens():
@@ -37,7 +40,7 @@ def test_plan_prints_the_cost_and_warns_over_budget(tiny_data, tmp_path):
     assert_user_error(run_cli("plan", str(config), "--cpus", "0.5"), "one trial needs")
 
 
-@pytest.mark.parametrize("config", SHIPPED, ids=[p.stem for p in SHIPPED])
+@pytest.mark.parametrize("config", SWEPT, ids=[p.stem for p in SWEPT])
 def test_every_shipped_config_loads_sweeps_and_plans(config: Path) -> None:
     cfg = load_experiment(config)
     space = parse_space(cfg)
@@ -68,3 +71,12 @@ def test_a_zero_chosen_by_tpe_is_in_the_trial_config(tiny_data, tmp_path):
     assert config["optim.weight_decay"] == 0.0 and config["optim.weight_decay_is_zero"] is True
     assert unflattened_lookup("optim.weight_decay", config) == 0.0
     assert space.overrides(config)["optim.weight_decay"] == 0.0
+
+
+def test_the_mup_target_is_its_proxy_made_wider() -> None:
+    """The config pair that docs/mup.md sweeps and transfers: the same depth and head width, the
+    target 4x as wide, both in µP with the proxy's width as the base."""
+    proxy, target = (load_experiment(CONFIGS / f"mup-{k}.toml") for k in ("proxy", "target"))
+    assert proxy.model.mup_base_width == target.model.mup_base_width == proxy.model.d_model
+    assert target.model.d_model == 4 * proxy.model.d_model and target.model.n_layer == proxy.model.n_layer
+    assert target.model.d_model // target.model.n_head == proxy.model.d_model // proxy.model.n_head
