@@ -9,12 +9,15 @@ variant's own precision (gptcore.mfu: measured fp32 or bf16 matmul peak on CPU, 
 dense bf16 peak on GPU, for fp32 too). A compiled variant compiles the model as the trainer does
 (`torch.compile(model)`), first with an empty inductor cache (cold), then again after
 `torch._dynamo.reset()` from the on-disk cache the first compile filled (warm, as a later trial
-on the node); its compile seconds are the first step's time less a compiled step's.
+on the node); its compile seconds are the first step's time less a compiled step's. `--profile`
+then profiles a few steps of each variant and prints where their time goes (see
+benchmarks/step_profile.py).
 
     python benchmarks/step.py [--device cpu|cuda] [--presets quickstart minimind-26m]
                               [--precision fp32,bf16] [--optimizers torch,ours]
                               [--modes eager,compiled]
                               [--batch-size B] [--seq-len T] [--steps N] [--warmup W]
+                              [--profile]
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import tempfile
 import time
 
 import torch
+from step_profile import PARTS, time_shares
+from torch.profiler import record_function
 
 from gptcore.config import load_config
 from gptcore.device import device_argument
@@ -47,13 +52,15 @@ SHORT = {"torch": "torch AdamW", "ours": "gptcore AdamW"}
 def train_step(
     model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, precision: str
 ) -> None:
-    """One training step (the loop's, without grad accumulation)."""
+    """One training step (the loop's, without grad accumulation); the optimizer's part is marked
+    for `--profile`."""
     with autocast(x.device, precision):
         _, loss = model(x, y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    with record_function("optimizer"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 def compile_seconds(
@@ -97,6 +104,7 @@ def bench_preset(
     warmup: int,
     variants: list[tuple[str, str, str]],
     peaks: dict[str, float],
+    profile: bool,
 ) -> None:
     cfg = load_config(None, [f'model.preset="{preset}"', f"model.seq_len={seq_len}"]).model
     torch.manual_seed(0)
@@ -153,6 +161,30 @@ def bench_preset(
         for p, name in itertools.product(sorted(precisions, reverse=True), sorted(names)):
             ratio = rate[(p, name, "compiled")] / rate[(p, name, "eager")]
             print(f"  ratio compiled/eager (tokens/s), {p}, {SHORT[name]:<14}{ratio:>10.3f}x")
+    if profile:
+        print_profile(cfg, models, optimizers, x, y)
+
+
+def print_profile(cfg, models: dict, optimizers: dict, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Each variant's step time split into the parts of step_profile.PARTS (torch.profiler, 3 steps)."""
+    dims = {
+        "vocab": cfg.vocab_size,
+        "d_ff": cfg.d_ff,
+        "qkv": (cfg.n_head + 2 * cfg.n_kv_head) * (cfg.d_model // cfg.n_head),
+    }
+    print(f"  time shares (torch.profiler, self time of each op, 3 steps): {', '.join(PARTS)}")
+    print(
+        f"  {'precision':<10}{'optimizer':<22}{'model':<10}{'ms/step':>9}"
+        + "".join(f"{p:>13}" for p in PARTS)
+    )
+    for v, model in models.items():
+
+        def step(model=model, opt=optimizers[v], precision=v[0]):
+            train_step(model, opt, x, y, precision)
+
+        ms, shares = time_shares(step, dims)
+        row = f"  {v[0]:<10}{LABELS[v[1]]:<22}{v[2]:<10}{ms:>9.1f}"
+        print(row + "".join(f"{100 * shares[p]:>12.1f}%" for p in PARTS))
 
 
 def comma_list(choices: tuple[str, ...]):
@@ -181,6 +213,9 @@ def main() -> None:
     parser.add_argument(
         "--warmup", type=int, default=-1, help="untimed steps per variant (-1: 1 on CPU, 5 on CUDA)"
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="also print where each variant's step time goes"
+    )
     args = parser.parse_args()
     device = args.device
     if device.type == "cuda":
@@ -196,10 +231,12 @@ def main() -> None:
     variants = list(itertools.product(args.precision, args.optimizers, args.modes))
     if "compiled" in args.modes:  # an empty inductor cache: the first compile is a cold one
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="step-bench-inductor-")
+    if args.profile:  # compiled kernels report to the profiler under their fused ops' names
+        torch._inductor.config.cpp.enable_kernel_profile = True
     for preset in args.presets:
         default_batch, default_len = SHAPES["cpu" if on_cpu else "cuda"].get(preset, (8, 128))
         batch, seq_len = args.batch_size or default_batch, args.seq_len or default_len
-        bench_preset(preset, device, batch, seq_len, steps, warmup, variants, peaks)
+        bench_preset(preset, device, batch, seq_len, steps, warmup, variants, peaks, args.profile)
 
 
 if __name__ == "__main__":
