@@ -78,7 +78,7 @@ def record(key: str, measured: CompileCost) -> None:
     with locked_table(COSTS_FILE) as table:
         old = _cached(table, key)
         if old is None or not old.seconds / REFRESH_RATIO <= measured.seconds <= old.seconds * REFRESH_RATIO:
-            table[key] = {"seconds": round(measured.seconds, 3), "speedup": round(measured.speedup, 4)}
+            table[key] = {"seconds": float(f"{measured.seconds:.4g}"), "speedup": round(measured.speedup, 4)}
 
 
 def _cached(table: dict, key: str) -> CompileCost | None:
