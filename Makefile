@@ -53,7 +53,7 @@ chat-demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -c "$$HF_GENERATE" exports/quickstart-lora
 
 test: install test-services
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 # Debian packages, installed as root with apt when missing (as on CI); elsewhere a note says how.
 define apt_install

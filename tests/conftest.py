@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -109,7 +110,11 @@ def study_values(url: str, name: str) -> dict[str, tuple[str, float | None, dict
 def mid_trial_checkpoints(states: Iterable[str], low: int, high: int) -> dict[str, int]:
     """{trial id: step} of the trials that Tune's saved experiment states (the texts of its
     `experiment_state-*.json`) hold with a checkpoint at a step in [low, high): what a resume
-    continues them from. A state caught while being replaced is skipped."""
+    continues them from. A state caught while being replaced is skipped.
+
+    The step is that of the trial's checkpoint manager's latest checkpoint, not of its last result:
+    Tune registers a reported checkpoint after the result that carries it, and a state saved in
+    between holds the new result with the previous checkpoint (resume continues from the latter)."""
     found = {}
     for text in states:
         try:
@@ -117,9 +122,12 @@ def mid_trial_checkpoints(states: Iterable[str], low: int, high: int) -> dict[st
         except (json.JSONDecodeError, KeyError):
             continue
         for _, runtime in trial_data:
-            result = json.loads(runtime).get("last_result") or {}
-            if result.get("checkpoint_dir_name") and low <= result.get("step", 0) < high:
-                found[result["trial_id"]] = int(result["step"])
+            runtime = json.loads(runtime)
+            manager = pickle.loads(bytes.fromhex(runtime["checkpoint_manager"]["value"]))
+            latest = manager.latest_checkpoint_result
+            step = int(latest.metrics.get("step", 0)) if latest else 0
+            if low <= step < high:
+                found[runtime["last_result"]["trial_id"]] = step
     return found
 
 
