@@ -7,10 +7,12 @@ over the steps left exceeds the compile time it expects:
 
     saving = steps left x micro-steps per step x eager model step x (1 - 1 / speedup)
 
-Every compile measures its cost and speedup, and they are cached per (device, torch version,
-model shape, batch, precision) in gptrun's cache folder (`compile_costs.json`), rewritten when a
-compile lands far from the cached figure (a warm inductor cache compiles several times faster
-than a cold one). Until a shape has been compiled once on a machine, `PRIORS` stand in.
+Every compile measures its cost and speedup (medians of a few timed steps each way), and they
+are cached per (device, torch version, model shape, batch, precision) in gptrun's cache folder
+(`compile_costs.json`). The cost is rewritten when a compile lands far from it (a warm inductor
+cache compiles several times faster than a cold one); the speedup expected is the median of the
+last `KEPT_SPEEDUPS` measured, since one timing on a busy machine can be off several-fold either
+way. Until a shape has been compiled once on a machine, `PRIORS` stand in.
 
 Inductor's and AOTAutograd's on-disk caches go to gptrun's cache folder too (`torch-compile/`,
 unless TORCHINDUCTOR_CACHE_DIR is set), so the later trials of a sweep on one node, and a
@@ -20,6 +22,7 @@ resumed run, compile from a warm cache.
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +34,7 @@ from gptcore.mfu import machine_name
 
 COSTS_FILE = "compile_costs.json"
 REFRESH_RATIO = 1.5  # a compile this many times off the cached seconds (either way) is cached anew
+KEPT_SPEEDUPS = 5  # the speedup expected is the median of this many last measured
 
 
 @dataclass(frozen=True)
@@ -74,22 +78,30 @@ def decide(micro_steps_left: int, model_step_seconds: float, cost: CompileCost |
 
 
 def record(key: str, measured: CompileCost) -> None:
-    """Cache `measured` unless the cached figure is within `REFRESH_RATIO` of it."""
+    """Add `measured` to the cache: its seconds unless the cached figure is within
+    `REFRESH_RATIO` of them, its speedup to the last `KEPT_SPEEDUPS`."""
     with locked_table(COSTS_FILE) as table:
         old = _cached(table, key)
-        if old is None or not old.seconds / REFRESH_RATIO <= measured.seconds <= old.seconds * REFRESH_RATIO:
-            table[key] = {"seconds": float(f"{measured.seconds:.4g}"), "speedup": round(measured.speedup, 4)}
+        seconds = measured.seconds
+        if old is not None and old.seconds / REFRESH_RATIO <= seconds <= old.seconds * REFRESH_RATIO:
+            seconds = old.seconds
+        speedups = table[key]["speedups"] if old is not None else []
+        table[key] = {
+            "seconds": float(f"{seconds:.4g}"),
+            "speedups": [*speedups, round(measured.speedup, 4)][-KEPT_SPEEDUPS:],
+        }
 
 
 def _cached(table: dict, key: str) -> CompileCost | None:
     entry = table.get(key)
     if not isinstance(entry, dict):
         return None
-    seconds, speedup = entry.get("seconds"), entry.get("speedup")
-    numbers = isinstance(seconds, (int, float)) and isinstance(speedup, (int, float))
-    if not (numbers and seconds >= 0 and speedup > 0):
+    seconds, speedups = entry.get("seconds"), entry.get("speedups")
+    if not (isinstance(seconds, (int, float)) and seconds >= 0 and isinstance(speedups, list) and speedups):
         return None
-    return CompileCost(float(seconds), float(speedup), "measured")
+    if not all(isinstance(s, (int, float)) and s > 0 for s in speedups):
+        return None
+    return CompileCost(float(seconds), float(statistics.median(speedups)), "measured")
 
 
 def share_compile_cache() -> None:

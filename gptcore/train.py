@@ -24,6 +24,7 @@ import contextlib
 import copy
 import math
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -331,7 +332,8 @@ class Trainer:
         if setting is False:
             return "compile off (train.compile=false)"
         key = autocompile.cost_key(self.device, self.cfg, self.precision)
-        eager_seconds = min(self._time_model_step(self.model) for _ in range(2))  # 1st: warm-up
+        self._time_model_step(self.model)  # warm-up: allocator, autocast caches
+        eager_seconds = self._median_model_step(self.model)
         if setting == "auto":
             micro_steps_left = (self.total_steps - self.step) * self.cfg.train.grad_accum
             on, line = autocompile.decide(
@@ -351,7 +353,7 @@ class Trainer:
             reason = next((s for s in str(err).splitlines() if s.strip()), "")[:200]
             return f"warning: torch.compile failed, training eager ({type(err).__name__}: {reason})"
         self.step_model = compiled
-        compiled_seconds = min(self._time_model_step(compiled) for _ in range(2))
+        compiled_seconds = self._median_model_step(compiled)
         measured = autocompile.CompileCost(
             max(first_seconds - compiled_seconds, 0.0), eager_seconds / compiled_seconds, "measured"
         )
@@ -361,6 +363,10 @@ class Trainer:
             f"{line} | compiled in {autocompile.duration(measured.seconds)}: model step "
             f"{eager_seconds * 1e3:.0f} -> {compiled_seconds * 1e3:.0f} ms ({measured.speedup:.2f}x)"
         )
+
+    def _median_model_step(self, model: nn.Module, timings: int = 3) -> float:
+        """The median of a few timed model steps: one on a busy machine can be off several-fold."""
+        return statistics.median(self._time_model_step(model) for _ in range(timings))
 
     def _time_model_step(self, model: nn.Module) -> float:
         """Seconds of one forward + backward of `model` on the next training batch, gradients
