@@ -11,11 +11,14 @@ dense bf16 peak on GPU, for fp32 too). A compiled variant compiles the model as 
 `torch._dynamo.reset()` from the on-disk cache the first compile filled (warm, as a later trial
 on the node); its compile seconds are the first step's time less a compiled step's. `--profile`
 then profiles a few steps of each variant and prints where their time goes (see
-benchmarks/step_profile.py).
+benchmarks/step_profile.py). `--baseline nanogpt` adds nanoGPT's own model.py (vendored in
+benchmarks/vendor, bias=True, dropout 0) with the AdamW its `configure_optimizers` makes, in fp32
+eager as nanoGPT trains on a CPU, at the preset's shape, and prints each variant's speed over it.
 
     python benchmarks/step.py [--device cpu|cuda] [--presets quickstart minimind-26m]
                               [--precision fp32,bf16] [--optimizers torch,ours]
-                              [--modes eager,compiled]
+                              [--modes eager,compiled] [--baseline nanogpt]
+                              [--set model.KEY=VALUE ...]
                               [--batch-size B] [--seq-len T] [--steps N] [--warmup W]
                               [--profile]
 """
@@ -23,6 +26,8 @@ benchmarks/step_profile.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import os
 import statistics
@@ -32,6 +37,7 @@ import time
 import torch
 from step_profile import PARTS, time_shares
 from torch.profiler import record_function
+from vendor import nanogpt_model
 
 from gptcore.config import load_config
 from gptcore.device import device_argument
@@ -45,8 +51,9 @@ SHAPES = {
     "cpu": {"quickstart": (8, 128), "minimind-26m": (4, 256)},
     "cuda": {"quickstart": (64, 128), "minimind-26m": (32, 512)},
 }
-LABELS = {"torch": "torch AdamW(foreach)", "ours": "gptcore AdamW"}
+LABELS = {"torch": "torch AdamW(foreach)", "ours": "gptcore AdamW", "nanogpt": "nanoGPT + its AdamW"}
 SHORT = {"torch": "torch AdamW", "ours": "gptcore AdamW"}
+NANOGPT = ("fp32", "nanogpt", "eager")  # the --baseline variant
 
 
 def train_step(
@@ -88,6 +95,23 @@ def timed_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x, y, precisi
     return time.perf_counter() - t0
 
 
+def nanogpt_baseline(cfg, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """nanoGPT's GPT at `cfg`'s shape and the optimizer its train.py would make on `device`."""
+    shape = nanogpt_model.GPTConfig(
+        block_size=cfg.seq_len,
+        vocab_size=cfg.vocab_size,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_embd=cfg.d_model,
+        dropout=0.0,
+        bias=True,
+    )
+    with contextlib.redirect_stdout(io.StringIO()):  # its parameter counts
+        model = nanogpt_model.GPT(shape).to(device)
+        opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), device.type)
+    return model, opt
+
+
 def make_optimizer(name: str, model: GPT) -> torch.optim.Optimizer:
     kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     if name == "torch":
@@ -105,14 +129,19 @@ def bench_preset(
     variants: list[tuple[str, str, str]],
     peaks: dict[str, float],
     profile: bool,
+    sets: list[str],
+    baseline: bool,
 ) -> None:
-    cfg = load_config(None, [f'model.preset="{preset}"', f"model.seq_len={seq_len}"]).model
+    cfg = load_config(None, [f'model.preset="{preset}"', f"model.seq_len={seq_len}", *sets]).model
     torch.manual_seed(0)
     first = GPT(cfg).to(device)
     models = {v: GPT(cfg).to(device) for v in variants}
     for model in models.values():
         model.load_state_dict(first.state_dict())
     optimizers = {v: make_optimizer(v[1], model) for v, model in models.items()}
+    if baseline:
+        models[NANOGPT], optimizers[NANOGPT] = nanogpt_baseline(cfg, device)
+        variants = [NANOGPT, *variants]
     gen = torch.Generator(device=device).manual_seed(1)
     x, y = (
         torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen, device=device) for _ in range(2)
@@ -131,8 +160,9 @@ def bench_preset(
 
     flops = first.flops_per_token(seq_len)
     print(
-        f"{preset}: {cfg.style}, {first.num_params() / 1e6:.1f}M params, "
-        f"B={batch} T={seq_len}, {flops / 1e6:.1f} MFLOP/token, median of {steps} steps"
+        f"{preset}: {cfg.style}, {cfg.n_layer} layers, d_model {cfg.d_model}, "
+        f"{first.num_params() / 1e6:.1f}M params, B={batch} T={seq_len}, "
+        f"{flops / 1e6:.1f} MFLOP/token, median of {steps} steps"
     )
     print(
         f"  {'precision':<10}{'optimizer':<22}{'model':<10}{'ms/step':>9}{'tokens/s':>10}{'MFU':>7}"
@@ -147,6 +177,11 @@ def bench_preset(
         compiled = f"{compiles[v][0]:.1f} / {compiles[v][1]:.1f}" if v in compiles else ""
         row = f"  {v[0]:<10}{LABELS[v[1]]:<22}{v[2]:<10}{seconds * 1e3:>9.1f}{rate[v]:>10.0f}"
         print(f"{row}{shown:>7}{compiled:>23}")
+    if baseline:
+        for v in variants[1:]:
+            ratio = rate[v] / rate[NANOGPT]
+            print(f"  ratio over nanoGPT fp32 (tokens/s), {v[0]}, {SHORT[v[1]]}, {v[2]:<9}{ratio:>10.3f}x")
+        variants = variants[1:]
     precisions, names, modes = ({v[i] for v in variants} for i in range(3))
     for mode in sorted(modes, reverse=True):  # eager first
         if precisions == {"fp32", "bf16"}:
@@ -216,6 +251,12 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="also print where each variant's step time goes"
     )
+    parser.add_argument(
+        "--baseline", choices=["nanogpt"], help="also time nanoGPT's model.py + AdamW (fp32, eager)"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="model.KEY=VALUE", help="a model key over the preset"
+    )
     args = parser.parse_args()
     device = args.device
     if device.type == "cuda":
@@ -225,7 +266,7 @@ def main() -> None:
     warmup = args.warmup if args.warmup >= 0 else (1 if on_cpu else 5)
 
     peaks = {}
-    for precision in args.precision:
+    for precision in dict.fromkeys([*args.precision, *(["fp32"] if args.baseline else [])]):
         peaks[precision], desc = device_peak_flops(device, precision)
         print(f"device {device}, {precision} peak: {desc}")
     variants = list(itertools.product(args.precision, args.optimizers, args.modes))
@@ -236,7 +277,19 @@ def main() -> None:
     for preset in args.presets:
         default_batch, default_len = SHAPES["cpu" if on_cpu else "cuda"].get(preset, (8, 128))
         batch, seq_len = args.batch_size or default_batch, args.seq_len or default_len
-        bench_preset(preset, device, batch, seq_len, steps, warmup, variants, peaks, args.profile)
+        bench_preset(
+            preset,
+            device,
+            batch,
+            seq_len,
+            steps,
+            warmup,
+            variants,
+            peaks,
+            args.profile,
+            args.set,
+            args.baseline == "nanogpt",
+        )
 
 
 if __name__ == "__main__":

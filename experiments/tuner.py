@@ -13,8 +13,9 @@ from experiments import remote
 from experiments.budget import grace_tokens, is_lean, startup_trials, trial_resources, trial_tokens
 from experiments.config import RayExperiment, SweepConfig, parse_duration
 from experiments.experiment import RUNS_DIR, study_url, trial_dirname
+from experiments.objective import METRIC, MODE
 from experiments.space import Space
-from experiments.trial import METRIC, MODE, run_trial
+from experiments.trial import run_trial
 from experiments.warm_start import History, start_study
 from gptcore.errors import UserError
 

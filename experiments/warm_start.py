@@ -26,6 +26,7 @@ from typing import Any
 from experiments.budget import startup_trials, trial_tokens
 from experiments.config import RayExperiment
 from experiments.experiment import STUDY_FILE, is_experiment, load_base, study_url
+from experiments.objective import DIRECTION
 from experiments.space import Space, parse_space
 from experiments.storage import rdb_storage, shown_url
 from gptcore.errors import UserError
@@ -103,7 +104,7 @@ def start_study(url: str, name: str, space: Space, tokens: int, history: History
     study = optuna.create_study(
         storage=rdb_storage(url),
         study_name=name,
-        direction="minimize",  # val_loss, as OptunaSearch sees it (experiments.trial.MODE)
+        direction=DIRECTION,
         load_if_exists=True,
     )
     study.set_user_attr(SPACE_ATTR, space.record())

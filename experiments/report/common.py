@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from experiments.objective import DIRECTION
 from experiments.space import Space
 from experiments.table import fmt_tokens
 
@@ -91,7 +92,7 @@ def analysis_study(common: CommonBudget, trials: list[dict[str, Any]], space: Sp
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="minimize", study_name=common.label)
+    study = optuna.create_study(direction=DIRECTION, study_name=common.label)
     for t in trials:
         if t["trial_id"] in common.losses:
             params, distributions = _params(space, t["config"])

@@ -14,6 +14,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from experiments.objective import DIRECTION
+
 MIN_TRIALS = 20  # PED-ANOVA wants >= 5 trials in its top quantile (Optuna's docs): 5 / 0.25
 TOP_QUANTILE = 0.25  # "what the best quarter of the trials has in common"
 RESAMPLES = 100
@@ -62,7 +64,7 @@ def _evaluate(trials: list[Any]) -> dict[str, float]:
     """Normalized PED-ANOVA importances of `trials` (its warnings are the report's note)."""
     import optuna
 
-    study = optuna.create_study(direction="minimize")
+    study = optuna.create_study(direction=DIRECTION)
     study.add_trials(trials)
     evaluator = optuna.importance.PedAnovaImportanceEvaluator(target_quantile=TOP_QUANTILE)
     with warnings.catch_warnings():
