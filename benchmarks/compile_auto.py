@@ -23,10 +23,9 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
+
+from timed_cli import timed_gptrun
 
 ARMS = ("auto", "false", "true")
 VAL_LOSS = re.compile(r"eval step (\d+) \| val loss ([0-9.]+)")
@@ -34,26 +33,9 @@ VAL_LOSS = re.compile(r"eval step (\d+) \| val loss ([0-9.]+)")
 
 def train_once(config: str, steps: int, arm: str, out: str, env: dict[str, str]) -> dict:
     """One `gptrun train --local` run: wall-clock seconds, the last val loss, the compile line."""
-    command = [
-        sys.executable,
-        "-m",
-        "experiments.cli",
-        "train",
-        "--local",
-        config,
-        "--set",
-        f"train.max_steps={steps}",
-        "--set",
-        f"train.compile={arm}",
-        "--set",
-        f'train.out="{out}"',
-    ]
-    start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    log = done.stdout + done.stderr
-    if done.returncode != 0:
-        raise SystemExit(f"arm {arm} failed (exit {done.returncode}):\n{log[-2000:]}")
+    args = ["train", "--local", config, "--set", f"train.max_steps={steps}"]
+    args += ["--set", f"train.compile={arm}", "--set", f'train.out="{out}"']
+    seconds, log = timed_gptrun(args, env, f"arm {arm}")
     losses = VAL_LOSS.findall(log)
     compile_line = next((line for line in log.splitlines() if "compile " in line), "(no compile line)")
     return {"seconds": seconds, "val_loss": float(losses[-1][1]), "compile": compile_line.strip()}

@@ -23,11 +23,10 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+
+from timed_cli import timed_gptrun
 
 from experiments.results import load_trials
 
@@ -41,16 +40,10 @@ def sweep_once(config: str, arm: str, storage: Path, sets: list[str], env: dict[
     """One sweep: its wall-clock, each compile's seconds in the order the trials logged them, the
     decisions, and the trials' start-up."""
     name = f"compile-{arm}"
-    command = [sys.executable, "-m", "experiments.cli", "sweep", config, "--name", name]
-    command += ["--storage", str(storage), "--restart", "--set", f"train.compile={arm}"]
-    for item in sets:
-        command += ["--set", item]
-    start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    log = done.stdout + done.stderr
-    if done.returncode != 0:
-        raise SystemExit(f"arm {arm} failed (exit {done.returncode}):\n{log[-3000:]}")
+    args = ["sweep", config, "--name", name, "--storage", str(storage), "--restart"]
+    for item in [f"train.compile={arm}", *sets]:
+        args += ["--set", item]
+    seconds, log = timed_gptrun(args, env, f"arm {arm}")
     compiles = [float(s) * (60 if unit == "min" else 1) for _, s, unit in COMPILED.findall(log)]
     decisions = sorted({text.strip() for _, text in DECIDED.findall(log)})
     trials = load_trials(storage / name)
