@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import random
+import socket
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -105,6 +106,18 @@ def study_values(url: str, name: str) -> dict[str, tuple[str, float | None, dict
             }
     finally:
         engine.dispose()
+
+
+def free_ports(n: int) -> list[int]:
+    """n ports free on 127.0.0.1 now (held together while chosen, so all differ)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def mid_trial_checkpoints(states: Iterable[str], low: int, high: int) -> dict[str, int]:

@@ -16,12 +16,13 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.conftest import free_ports
 
 USER, PASSWORD = "gptrun", "team-secret"
 
@@ -64,12 +65,6 @@ def _version(folder: str) -> int:
     return int(name) if name.isdigit() else 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _as_server_user() -> tuple[list[str], pwd.struct_passwd | None]:
     """The command prefix that drops root for initdb and the server (none when not root)."""
     if os.geteuid() != 0:
@@ -99,7 +94,7 @@ def postgres_server() -> Iterator[Postgres]:
     if user is not None:
         for path in (root, pwfile):
             os.chown(path, user.pw_uid, user.pw_gid)
-    port = _free_port()
+    (port,) = free_ports(1)
     initdb = [str(bins / "initdb"), "-D", str(data), "-U", USER, f"--pwfile={pwfile}"]
     initdb += ["--auth-host=scram-sha-256", "--auth-local=trust", "--no-locale", "-E", "UTF8", "--no-sync"]
     options = f"-c listen_addresses=127.0.0.1 -p {port} -k {root} -c fsync=off"

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, mid_trial_checkpoints, write_sweep_config
-from tests.slurm import Slurm, free_ports, slurm_cluster
+from tests.conftest import REPO, free_ports, mid_trial_checkpoints, write_sweep_config
+from tests.slurm import Slurm, slurm_cluster
 from tests.test_sweep import assert_resumed_study, study_rows, trial_records
 
 pytestmark = pytest.mark.slow
