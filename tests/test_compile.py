@@ -234,6 +234,7 @@ def ddp_rank(rank: int, port: int, cfg, out) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes compiling: about 35 s
 def test_ddp_trains_compiled_like_eager(tiny_data, tmp_path, cache):
     """Two CPU ranks over gloo, compiled and eager: every rank compiles its DDP-wrapped model, the
     ranks stay in step, and the run matches the eager one to float noise."""
