@@ -8,7 +8,9 @@ Each arm is the real command in its own process, on a local Ray instance:
 
 Inductor's on-disk cache starts empty in a temporary folder that the arms share (what
 `gptcore.autocompile.share_compile_cache` gives every trial on a node), so the first compiling
-trial compiles cold and the later ones warm. Arms run in the order given (`true` before `auto`
+trial compiles cold and the later ones warm. Lean trials run in reused
+processes (`reuse_actors`), so a later trial in a process also finds dynamo's and inductor's
+in-memory caches from the trial before it. Arms run in the order given (`true` before `auto`
 leaves auto a measured compile cost to decide on). Ray's log deduplication is off so that every
 trial's compile line reaches this script.
 
@@ -32,8 +34,9 @@ from experiments.results import load_trials
 
 COMPILED = re.compile(r"\((?:\w+ )?pid=(\d+)[^)]*\).*compiled in ([0-9.]+) (s|min)")
 DECIDED = re.compile(
-    r"\((?:\w+ )?pid=(\d+)[^)]*\).*(compile (?:on|off) \((?:auto|train\.compile=\w+)\)[^|]*)"
+    r"\((?:\w+ )?pid=(\d+)[^)]*\).*(compile (?:on|off) \((?:auto|train\.compile=\w+)\)[^|\n]*)"
 )
+COLOR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the trials' prefixes even into a pipe
 
 
 def sweep_once(config: str, arm: str, storage: Path, sets: list[str], env: dict[str, str]) -> dict:
@@ -44,6 +47,7 @@ def sweep_once(config: str, arm: str, storage: Path, sets: list[str], env: dict[
     for item in [f"train.compile={arm}", *sets]:
         args += ["--set", item]
     seconds, log = timed_gptrun(args, env, f"arm {arm}")
+    log = COLOR.sub("", log)
     compiles = [float(s) * (60 if unit == "min" else 1) for _, s, unit in COMPILED.findall(log)]
     decisions = sorted({text.strip() for _, text in DECIDED.findall(log)})
     trials = load_trials(storage / name)
