@@ -77,12 +77,26 @@ def decide(micro_steps_left: int, model_step_seconds: float, cost: CompileCost |
     )
 
 
-def record(key: str, measured: CompileCost) -> None:
-    """Add `measured` to the cache: its seconds unless the cached figure is within
-    `REFRESH_RATIO` of them, its speedup to the last `KEPT_SPEEDUPS`."""
+_compiled_here: set[str] = set()  # the keys this process has compiled
+
+
+def first_compile_here(key: str) -> bool:
+    """Whether this process compiles `key` for the first time (and note that it has). A later
+    compile of the same shape in one process (the next trial in a reused Tune process) is served by
+    dynamo's and inductor's in-memory caches in well under a second, which a new run never gets."""
+    first = key not in _compiled_here
+    _compiled_here.add(key)
+    return first
+
+
+def record(key: str, measured: CompileCost, *, with_seconds: bool = True) -> None:
+    """Add `measured` to the cache: its seconds (if `with_seconds`) unless the cached figure is
+    within `REFRESH_RATIO` of them, its speedup to the last `KEPT_SPEEDUPS`."""
     with locked_table(COSTS_FILE) as table:
         old = _cached(table, key)
         seconds = measured.seconds
+        if old is not None and not with_seconds:
+            seconds = old.seconds
         if old is not None and old.seconds / REFRESH_RATIO <= seconds <= old.seconds * REFRESH_RATIO:
             seconds = old.seconds
         speedups = table[key]["speedups"] if old is not None else []

@@ -357,8 +357,8 @@ class Trainer:
         measured = autocompile.CompileCost(
             max(first_seconds - compiled_seconds, 0.0), eager_seconds / compiled_seconds, "measured"
         )
-        if self.rank == 0:
-            autocompile.record(key, measured)
+        if self.rank == 0:  # a shape compiled before in this process says nothing of a new run's cost
+            autocompile.record(key, measured, with_seconds=autocompile.first_compile_here(key))
         return (
             f"{line} | compiled in {autocompile.duration(measured.seconds)}: model step "
             f"{eager_seconds * 1e3:.0f} -> {compiled_seconds * 1e3:.0f} ms ({measured.speedup:.2f}x)"

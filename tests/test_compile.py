@@ -80,6 +80,8 @@ def test_the_cost_cache_falls_back_to_the_prior_and_keeps_robust_figures(cache):
     for speedup in (0.12, 1.1, 1.2, 1.2):  # the last 5 count: 1.3, 12.6, 0.12, 1.1, 1.2, 1.2
         autocompile.record("k", CompileCost(4.0, speedup, "measured"))
     assert autocompile.expected_cost("k", cpu).speedup == 1.2
+    autocompile.record("k", CompileCost(0.01, 1.2, "measured"), with_seconds=False)  # in-process
+    assert autocompile.expected_cost("k", cpu).seconds == 4.0
     (cache / autocompile.COSTS_FILE).write_text("{not json")  # damaged: the prior, then rewritten
     assert autocompile.expected_cost("k", cpu) == autocompile.PRIORS["cpu"]
     autocompile.record("k", CompileCost(3.0, 1.1, "measured"))
