@@ -41,7 +41,10 @@ KEPT_SPEEDUPS = 5  # the speedup expected is the median of this many last measur
 class CompileCost:
     seconds: float  # from torch.compile to the end of the first compiled forward + backward
     speedup: float  # eager model step time / compiled model step time
-    source: str  # "measured" or "a guess"
+    source: str  # "measured", "a guess", or none (this process compiled the shape already)
+
+
+_compiled_here: set[str] = set()  # the keys this process has compiled
 
 
 # Before a shape was compiled on a machine: a cold compile of a 4-layer / d_model 256 model on a
@@ -59,9 +62,13 @@ def cost_key(device: torch.device, cfg: ExperimentConfig, precision: str) -> str
 
 
 def expected_cost(key: str, device: torch.device) -> CompileCost | None:
-    """The cached measurement of `key`, else the prior of the device type (None: no compile)."""
+    """The cached measurement of `key`, else the prior of the device type (None: no compile);
+    free where this process compiled `key` before (`first_compile_here`)."""
     with locked_table(COSTS_FILE) as table:
-        return _cached(table, key) or PRIORS.get(device.type)
+        cost = _cached(table, key) or PRIORS.get(device.type)
+    if cost is not None and key in _compiled_here:
+        return CompileCost(0.0, cost.speedup, "none: compiled in this process before")
+    return cost
 
 
 def decide(micro_steps_left: int, model_step_seconds: float, cost: CompileCost | None) -> tuple[bool, str]:
@@ -75,9 +82,6 @@ def decide(micro_steps_left: int, model_step_seconds: float, cost: CompileCost |
         f"~{duration(max(saving, 0.0))} ({model_step_seconds * 1e3:.0f} ms eager model step x "
         f"{micro_steps_left:,} left, {cost.speedup:.2f}x faster compiled; compile cost {cost.source})"
     )
-
-
-_compiled_here: set[str] = set()  # the keys this process has compiled
 
 
 def first_compile_here(key: str) -> bool:

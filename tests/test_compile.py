@@ -26,6 +26,7 @@ def cache(tmp_path, monkeypatch):
     """A fresh gptrun cache folder, with inductor's cache left for gptrun to place in it."""
     monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(autocompile, "_compiled_here", set())  # as if no test compiled before
     return tmp_path / "cache"
 
 
@@ -80,7 +81,12 @@ def test_the_cost_cache_falls_back_to_the_prior_and_keeps_robust_figures(cache):
     for speedup in (0.12, 1.1, 1.2, 1.2):  # the last 5 count: 1.3, 12.6, 0.12, 1.1, 1.2, 1.2
         autocompile.record("k", CompileCost(4.0, speedup, "measured"))
     assert autocompile.expected_cost("k", cpu).speedup == 1.2
+    assert autocompile.first_compile_here("k") and not autocompile.first_compile_here("k")
     autocompile.record("k", CompileCost(0.01, 1.2, "measured"), with_seconds=False)  # in-process
+    assert autocompile.expected_cost("k", cpu) == CompileCost(
+        0.0, 1.2, "none: compiled in this process before"
+    )
+    autocompile._compiled_here.clear()  # a new process: what the cache holds
     assert autocompile.expected_cost("k", cpu).seconds == 4.0
     (cache / autocompile.COSTS_FILE).write_text("{not json")  # damaged: the prior, then rewritten
     assert autocompile.expected_cost("k", cpu) == autocompile.PRIORS["cpu"]
@@ -108,7 +114,7 @@ def test_auto_stays_eager_for_a_short_run_and_says_why(tiny_data, tmp_path, cach
     line = next(entry for entry in logs if entry.startswith("compile "))
     assert logs.index(line) == 2  # after the run length and the model line
     assert re.match(
-        r"compile off \(auto\): ~30 s to save ~\d\.\d s \(\d+ ms eager model step", line
+        r"compile off \(auto\): ~30 s to save ~[\d.]+ s \(\d+ ms eager model step", line
     )  # CPU prior
     assert line.endswith(" x 12 left, 1.20x faster compiled; compile cost a guess)")
     false_logs: list[str] = []
@@ -170,10 +176,9 @@ def test_auto_compiles_when_the_cached_cost_says_it_pays(tiny_data, tmp_path, ca
     assert isinstance(trainer.step_model, torch._dynamo.eval_frame.OptimizedModule)
     assert logs[2].startswith("compile on (auto): ~0.0 s to save ~")
     assert "50.00x faster compiled; compile cost measured) | compiled in " in logs[2]
-    # The compile landed far from the cached 1 µs (seconds cold; 0 s where this process's own
-    # compiled graph answered at once, noise either way), and its speedup joined the cached one.
+    # The measured speedup joined the cached one (its value is the machine's: any, under load).
     (entry,) = json.loads((cache / autocompile.COSTS_FILE).read_text()).values()
-    assert len(entry["speedups"]) == 2 and entry["speedups"][0] == 50.0 and entry["speedups"][1] < 50
+    assert len(entry["speedups"]) == 2 and entry["speedups"][0] == 50.0 and entry["speedups"][1] > 0
 
 
 def test_a_failing_compile_trains_eager_with_one_warning(tiny_data, tmp_path, cache):
