@@ -8,7 +8,8 @@ Each arm is the real command in its own process, on a local Ray instance:
 
 Inductor's on-disk cache starts empty in a temporary folder that the arms share (what
 `gptcore.autocompile.share_compile_cache` gives every trial on a node), so the first compiling
-trial compiles cold and the later ones warm. Lean trials run in reused
+trial compiles cold and the later ones warm. gptrun's cache folder (the compile costs auto reads)
+starts empty too, so auto starts from the prior and learns from the arms before it. Lean trials run in reused
 processes (`reuse_actors`), so a later trial in a process also finds dynamo's and inductor's
 in-memory caches from the trial before it. Arms run in the order given (`true` before `auto`
 leaves auto a measured compile cost to decide on). Ray's log deduplication is off so that every
@@ -71,7 +72,12 @@ def main() -> None:
     if not arms or set(arms) - {"auto", "false", "true"}:
         raise SystemExit(f"--arms {args.arms!r}: give a comma list of auto, false, true")
     root = Path(tempfile.mkdtemp(prefix="compile-sweep-"))
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "RAY_DEDUP_LOGS": "0"}
+    env = {
+        **os.environ,
+        "GPTRUN_CACHE_DIR": str(root / "gptrun-cache"),  # no compile cost measured before
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "RAY_DEDUP_LOGS": "0",
+    }
     results = {}
     for arm in arms:
         print(f"sweep with train.compile={arm} ...", flush=True)
