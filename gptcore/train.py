@@ -243,17 +243,7 @@ class Trainer:
         data_seconds = 0.0
         for micro in range(t.grad_accum):
             start = time.perf_counter()
-            x, y = self.data.train_batch(
-                seed=t.seed,
-                step=self.batch_index,
-                micro=micro,
-                rank=self.rank,
-                world_size=self.world_size,
-                batch_size=t.batch_size,
-                grad_accum=t.grad_accum,
-                seq_len=self.cfg.model.seq_len,
-            )
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            x, y = self._micro_batch(micro)
             data_seconds += time.perf_counter() - start
             # DDP all-reduces gradients on the last micro-step only.
             last = micro == t.grad_accum - 1
@@ -296,6 +286,21 @@ class Trainer:
             "skipped": 0.0,
             "data_seconds": data_seconds,
         }
+
+    def _micro_batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch `micro` of this rank's share of the current step's batch, on the device."""
+        t = self.cfg.train
+        x, y = self.data.train_batch(
+            seed=t.seed,
+            step=self.batch_index,
+            micro=micro,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=t.batch_size,
+            grad_accum=t.grad_accum,
+            seq_len=self.cfg.model.seq_len,
+        )
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _on_bad_step(self, loss_value: float) -> None:
         """The recipe's guard: skip, then roll back and halve the lr, then give up."""
@@ -372,18 +377,7 @@ class Trainer:
         """Seconds of one forward + backward of `model` on the next training batch, gradients
         then dropped: progress, weights and optimizer stay as they were (dropout draws from the
         RNG, which every step seeds anew)."""
-        t = self.cfg.train
-        x, y = self.data.train_batch(
-            seed=t.seed,
-            step=self.batch_index,
-            micro=0,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=t.batch_size,
-            grad_accum=t.grad_accum,
-            seq_len=self.cfg.model.seq_len,
-        )
-        x, y = x.to(self.device), y.to(self.device)
+        x, y = self._micro_batch(0)
         model.train()
         self._synchronize()
         start = time.perf_counter()
