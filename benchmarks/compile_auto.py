@@ -25,6 +25,7 @@ import re
 import statistics
 import tempfile
 
+from arguments import comma_list
 from timed_cli import timed_gptrun
 
 ARMS = ("auto", "false", "true")
@@ -45,12 +46,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="experiments/configs/quickstart.toml")
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma list of auto, false, true")
+    parser.add_argument(
+        "--arms", type=comma_list(ARMS), default=list(ARMS), help="comma list of auto, false, true"
+    )
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms or any(a not in ARMS for a in arms):
-        parser.error(f"--arms {args.arms!r}: give a comma list of {', '.join(ARMS)}")
+    arms = args.arms
 
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     with tempfile.TemporaryDirectory(prefix="compile-auto-") as scratch:

@@ -9,9 +9,9 @@ Each arm is the real command in its own process, on a local Ray instance:
 Inductor's on-disk cache starts empty in a temporary folder that the arms share (what
 `gptcore.autocompile.share_compile_cache` gives every trial on a node), so the first compiling
 trial compiles cold and the later ones warm. gptrun's cache folder (the compile costs auto reads)
-starts empty too, so auto starts from the prior and learns from the arms before it. Lean trials run in reused
-processes (`reuse_actors`), so a later trial in a process also finds dynamo's and inductor's
-in-memory caches from the trial before it. Arms run in the order given (`true` before `auto`
+starts empty too, so auto starts from the prior and learns from the arms before it. Lean trials
+run in reused processes (`reuse_actors`), so a later trial in a process also finds dynamo's and
+inductor's in-memory caches from the trial before it. Arms run in the order given (`true` before `auto`
 leaves auto a measured compile cost to decide on). Ray's log deduplication is off so that every
 trial's compile line reaches this script.
 
@@ -29,6 +29,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from arguments import comma_list
 from timed_cli import timed_gptrun
 
 from experiments.results import load_trials
@@ -65,12 +66,15 @@ def sweep_once(config: str, arm: str, storage: Path, sets: list[str], env: dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="experiments/configs/quickstart.toml")
-    parser.add_argument("--arms", default="false,true,auto", help="comma list of false, true, auto")
+    parser.add_argument(
+        "--arms",
+        type=comma_list(("false", "true", "auto")),
+        default=["false", "true", "auto"],
+        help="comma list of false, true, auto, run in that order",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms or set(arms) - {"auto", "false", "true"}:
-        raise SystemExit(f"--arms {args.arms!r}: give a comma list of auto, false, true")
+    arms = args.arms
     root = Path(tempfile.mkdtemp(prefix="compile-sweep-"))
     env = {
         **os.environ,

@@ -35,12 +35,14 @@ import tempfile
 import time
 
 import torch
+from arguments import comma_list
 from step_profile import PARTS, time_shares
 from torch.profiler import record_function
 from vendor import nanogpt_model
 
 from gptcore.config import load_config
 from gptcore.device import device_argument
+from gptcore.errors import UserError
 from gptcore.mfu import device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, param_groups
@@ -222,17 +224,6 @@ def print_profile(cfg, models: dict, optimizers: dict, x: torch.Tensor, y: torch
         print(row + "".join(f"{100 * shares[p]:>12.1f}%" for p in PARTS))
 
 
-def comma_list(choices: tuple[str, ...]):
-    def parse(text: str) -> list[str]:
-        items = [s.strip() for s in text.split(",") if s.strip()]
-        bad = [s for s in items if s not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {', '.join(choices)}")
-        return items
-
-    return parse
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", type=device_argument, default="cpu", help="cpu or cuda[:N]")
@@ -258,6 +249,10 @@ def main() -> None:
         "--set", action="append", default=[], metavar="model.KEY=VALUE", help="a model key over the preset"
     )
     args = parser.parse_args()
+    try:  # a key or value the config refuses: one line, exit 2
+        load_config(None, args.set)
+    except UserError as err:
+        parser.error(f"--set: {err}")
     device = args.device
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # ops autocast leaves in fp32
