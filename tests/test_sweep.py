@@ -258,8 +258,9 @@ def test_resumed_sweep_past_its_budget_ends_each_trial_once(tiny_data, tmp_path)
     from experiments.results import load_trials
 
     config = write_sweep_config(
-        tiny_data, tmp_path, n=6, max_steps=240, sweep_keys='max_concurrent = 1\nbudget = "25s"'
-    )  # 6 trials of ~6 s each (2 cores): the budget ends after the resume, mid-way
+        tiny_data, tmp_path, n=20, max_steps=240, sweep_keys='max_concurrent = 1\nbudget = "25s"'
+    )  # 20 trials of 3-6 s each (2 cores; CI ran 6 of them inside 25 s): the budget ends after
+    # the resume, mid-way, on a fast machine too
     exp_dir = tmp_path / "sweeps" / "late"
     args = [sys.executable, "-m", "experiments", "sweep", str(config), "--name", "late"]
     args += ["--storage", str(tmp_path / "sweeps"), "--set", "sweep.grace_tokens=100000000"]
