@@ -38,3 +38,30 @@ def told_trials(search: Any) -> set[str]:
     """The Tune trial ids OptunaSearch has told the study about (it skips them on a second
     completion): `_completed_trials`, a set (Ray 2.60.0)."""
     return search._completed_trials
+
+
+def trial_checkpoints(trial: Any) -> tuple[list[Any], Any]:
+    """(the checkpoints Tune keeps for `trial`, oldest first; the one it resumes the trial from,
+    or None), as `ray.tune.Checkpoint`s: `_checkpoint_results` and `_latest_checkpoint_result`
+    of `trial.run_metadata.checkpoint_manager` (Ray 2.60.0 `ray.train._internal.checkpoint_manager
+    ._CheckpointManager`; tests/test_object_store.py `test_sweep_in_s3_survives_a_killed_driver`)."""
+    manager = trial.run_metadata.checkpoint_manager
+    latest = manager._latest_checkpoint_result
+    return [r.checkpoint for r in manager._checkpoint_results], latest.checkpoint if latest else None
+
+
+def set_trial_checkpoints(trial: Any, kept: list[Any], latest: Any, index: int) -> None:
+    """Make `kept` (oldest first, `latest` among them, or `latest` None) the checkpoints Tune
+    keeps for `trial` and resumes it from, each keeping the metrics Tune had for it, and number
+    the trial's next checkpoint folder `index + 1`: the `_CheckpointManager` fields above, as
+    `ray.train._internal.session._TrainingResult`s (the latest must be one of the kept objects:
+    the manager compares them by identity), and `trial.storage.current_checkpoint_index` (Ray
+    2.60.0 `ray.train._internal.storage.StorageContext`)."""
+    from ray.train._internal.session import _TrainingResult
+
+    manager = trial.run_metadata.checkpoint_manager
+    metrics = {r.checkpoint.path: r.metrics for r in manager._checkpoint_results}
+    results = {c.path: _TrainingResult(checkpoint=c, metrics=metrics.get(c.path, {})) for c in kept}
+    manager._checkpoint_results = list(results.values())
+    manager._latest_checkpoint_result = results[latest.path] if latest else None
+    trial.storage.current_checkpoint_index = index

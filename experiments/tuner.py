@@ -42,6 +42,7 @@ def new_tuner(
     from ray import tune
 
     from experiments.events import TrialEvents
+    from experiments.lost_checkpoints import LostCheckpoints
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's table reporter, not the new UI
     # Frequent checkpoints of short trials trigger a warning about snapshot frequency that a
@@ -60,6 +61,7 @@ def new_tuner(
     )
     callbacks = [
         TrialEvents(exp_dir, trial_tokens(cfg), tune_config.time_budget_s),  # confirm: no budget
+        LostCheckpoints(),  # a resume's checkpoints that a killed driver had deleted
         *tracking_callbacks(cfg, tracking_name or exp_dir.name, exp_dir),
     ]
     storage_path, _, name = remote.location(exp_dir).rpartition("/")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,13 +121,13 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def mid_trial_checkpoints(states: Iterable[str], low: int, high: int) -> dict[str, int]:
-    """{trial id: step} of the trials that Tune's saved experiment states (the texts of its
-    `experiment_state-*.json`) hold with a checkpoint at a step in [low, high): what a resume
-    continues them from. A state caught while being replaced is skipped.
+def resume_checkpoints(states: Iterable[str]) -> dict[str, Any]:
+    """{trial id: the checkpoint result (checkpoint and metrics) a resume continues it from} in
+    Tune's saved experiment states (the texts of its `experiment_state-*.json`), for the trials
+    that have one. A state caught while being replaced is skipped.
 
-    The step is that of the trial's checkpoint manager's latest checkpoint, not of its last result:
-    Tune registers a reported checkpoint after the result that carries it, and a state saved in
+    That is the trial's checkpoint manager's latest checkpoint, not its last result: Tune
+    registers a reported checkpoint after the result that carries it, and a state saved in
     between holds the new result with the previous checkpoint (resume continues from the latter)."""
     found = {}
     for text in states:
@@ -137,11 +138,15 @@ def mid_trial_checkpoints(states: Iterable[str], low: int, high: int) -> dict[st
         for _, runtime in trial_data:
             runtime = json.loads(runtime)
             manager = pickle.loads(bytes.fromhex(runtime["checkpoint_manager"]["value"]))
-            latest = manager.latest_checkpoint_result
-            step = int(latest.metrics.get("step", 0)) if latest else 0
-            if low <= step < high:
-                found[runtime["last_result"]["trial_id"]] = step
+            if manager.latest_checkpoint_result:
+                found[runtime["last_result"]["trial_id"]] = manager.latest_checkpoint_result
     return found
+
+
+def mid_trial_checkpoints(states: Iterable[str], low: int, high: int) -> dict[str, int]:
+    """{trial id: step} of the trials whose `resume_checkpoints` are at a step in [low, high)."""
+    steps = {tid: int(result.metrics.get("step", 0)) for tid, result in resume_checkpoints(states).items()}
+    return {tid: step for tid, step in steps.items() if low <= step < high}
 
 
 def committed_step(run_dir: Path) -> int:

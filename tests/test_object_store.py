@@ -22,7 +22,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, assert_user_error, mid_trial_checkpoints, run_cli, write_sweep_config
+from tests.conftest import (
+    REPO,
+    assert_user_error,
+    mid_trial_checkpoints,
+    resume_checkpoints,
+    run_cli,
+    write_sweep_config,
+)
 from tests.test_sweep import assert_resumed_study, study_rows
 
 BUCKET = "gptrun-test"
@@ -141,6 +148,15 @@ def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
         driver.wait(timeout=30)
     interrupted = mid_trial_checkpoints(saved_states(s3, "sweeps/killed/"), 2 * every, steps)
     before = result_rows(s3, "sweeps/killed/")
+    # A driver killed after deleting a checkpoint and before uploading a state that no longer
+    # names it leaves a state naming a lost checkpoint (CI met it): made certain here for the
+    # trial that got furthest, whose resume checkpoint is deleted.
+    lost_tid = max(interrupted, key=interrupted.get)
+    lost = resume_checkpoints(saved_states(s3, "sweeps/killed/"))[lost_tid].checkpoint.path
+    client = s3_client(s3)
+    for key in keys(s3, lost.split("/", 1)[1] + "/"):
+        client.delete_object(Bucket=BUCKET, Key=key)
+    lost_step = interrupted.pop(lost_tid)
 
     elsewhere = {**s3, "GPTRUN_CACHE_DIR": str(tmp_path / "other-machine")}  # no study there
     proc = run_cli("resume", uri, env=elsewhere, timeout=120)
@@ -152,6 +168,12 @@ def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
     assert len(after) == 3 and set(before) <= set(after), (sorted(before), sorted(after))
     last = {tid: rows[-1]["step"] for tid, rows in after.items()}
     assert set(last.values()) == {steps}, (last, proc.stdout[-3000:])
+    lost_name = lost.rsplit("/", 1)[1]
+    assert f"trial {lost_tid}: its last checkpoint {lost_name} is gone from storage" in proc.stdout
+    for needle in ("Could not recover", "Error handling checkpoint"):  # no failed restore or delete
+        assert needle not in proc.stdout + proc.stderr, needle
+    resumed = [r["resumed_from"] for r in after[lost_tid] if r.get("resumed_from", 0) > 0]
+    assert not resumed or resumed[0] != lost_step, (lost_step, resumed)  # another, or step 0
     for tid, step in interrupted.items():  # continued from its checkpoint, not from step 0
         resumed = [r["resumed_from"] for r in after[tid] if r.get("resumed_from", 0) > 0]
         assert resumed and step <= resumed[0] < steps, (tid, step, resumed)
