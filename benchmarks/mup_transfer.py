@@ -88,6 +88,7 @@ def train_once(args: argparse.Namespace, arm: tuple[int, float], width: int, log
                 f"train.seed={seed}",
                 f'train.precision="{args.precision}"',
                 f'train.device="{args.device}"',
+                "train.compile=false",  # the losses, not the speed, are measured: no compile time
                 f'train.out="{out}"',
             ],
         )
