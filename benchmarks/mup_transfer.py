@@ -20,7 +20,7 @@ it shows: the hidden matrices get wd x m beside lr / m, keeping lr x wd the base
 Each finished run is appended to --results (JSON lines) and a rerun with the same settings skips
 it, so an interrupted benchmark continues (run it in pieces, e.g. under `timeout`), and --summarize
 prints the table and draws the plot from the runs there without training any (a run not there is
-"-" and a gap). On 2 CPU cores the defaults take ~45 min; on a GPU,
+"-" and a gap). On 2 CPU cores the defaults take ~25 min (measured, quiet machine); on a GPU,
 run it bigger, e.g. --widths 128,256,512,1024 --n-layer 4 --seq-len 256 --batch-size 32
 --steps 2000 --lrs=-12:-5.
 
