@@ -26,6 +26,9 @@ PREFIX = "checkpoint_"  # a trial's checkpoint folders: checkpoint_000000, check
 
 
 class LostCheckpoints(Callback):
+    """Checks the trials once per run of the experiment (`setup` is called on every start,
+    resumes included), on Tune's first step: after it restored them, before it starts any."""
+
     checked = False
 
     def setup(self, **info: Any) -> None:
@@ -40,6 +43,8 @@ class LostCheckpoints(Callback):
 
 
 def forget_lost_checkpoints(trial: Any) -> None:
+    """Drop `trial`'s vanished checkpoints from Tune's bookkeeping; if the one it would resume
+    from is gone, point it at the newest one left (or none) and say so."""
     kept, latest = trial_checkpoints(trial)
     if latest is None:
         return
