@@ -1,7 +1,7 @@
 """`gptrun confirm`: how much of a sweep's spread is seed noise.
 
 A sweep runs every config once, with one seed, so its winner is partly luck: the best of N noisy
-draws. Confirm re-runs the K best trials (completed ones first, see `ranked_trials`) with S new
+draws. Confirm re-runs the K best trials (completed ones first, see `experiments.outcome.ranked`) with S new
 seeds (`train.seed + 1 .. + S`, new weight init and data order) at full budget, as a Tune
 experiment in `EXPERIMENT/confirm/` (a grid over candidate x seed; killed, it resumes like a
 sweep), and writes `EXPERIMENT/noise.json`:
@@ -32,6 +32,7 @@ from experiments.cluster import ray_session
 from experiments.config import RayExperiment, load_experiment
 from experiments.experiment import open_experiment, remove_experiment, save, start_experiment
 from experiments.noise import NOISE_FILE, measure_noise, print_noise
+from experiments.outcome import ranked
 from experiments.results import load_trials
 from experiments.space import parse_space
 from experiments.tuner import new_tuner, restore_tuner
@@ -73,29 +74,18 @@ def confirm_cli(experiment_dir: str, *, top: int, seeds: int, address: str | Non
 
 def confirm_plan(exp_dir: Path, cfg: RayExperiment, top: int, seeds: int) -> dict[str, Any]:
     """The candidates (the `top` best trials) and the new seeds."""
-    ranked = ranked_trials(load_trials(exp_dir))
-    if not ranked:
+    candidates = ranked(load_trials(exp_dir))
+    if not candidates:
         raise UserError(
             f"{exp_dir} has no trial that finished without error; finish the sweep "
             f"first (`gptrun resume {exp_dir}`)"
         )
-    if len(ranked) < top:
-        print(f"note: only {len(ranked)} trials finished; confirming those, not {top}")
+    if len(candidates) < top:
+        print(f"note: only {len(candidates)} trials finished; confirming those, not {top}")
     return {
-        "candidates": [t["trial_id"] for t in ranked[:top]],
+        "candidates": [t["trial_id"] for t in candidates[:top]],
         "seeds": [cfg.train.seed + i for i in range(1, seeds + 1)],
     }
-
-
-def ranked_trials(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Completed trials by loss, then the ones ASHA stopped early by loss (their loss is at fewer
-    tokens, so it only ranks them among themselves); errors and diverged runs are left out."""
-    return [
-        t
-        for status in ("completed", "stopped early", "cut by budget")
-        for t in trials
-        if t["status"] == status
-    ]
 
 
 def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart: bool) -> int:

@@ -1,10 +1,14 @@
 """What happened to each trial, told once: one console line per trial event in the sweep driver,
 and the same events in `EXPERIMENT/events.jsonl` for the results reader.
 
-ASHA's stops are recorded by `RecordingASHA` when it decides them, so that a trial cut by the
-sweep's time budget (`sweep.budget`) is not labelled "stopped early" like an ASHA stop. Start and
-end times, with the `fit_start_unix` / `report_unix` each trial reports, give every trial's fixed
-cost: from its process being ready to its first step, and from its last report to its end.
+These are announcements, derived from what Tune and the study saw; the record of each trial's
+life is the study (`experiments.record`). Each trial's end and ASHA stop is announced once: the
+announcements already in `events.jsonl` are read when a (resumed) sweep starts, so an end that a
+resume replays is not announced again, and one that a killed driver never announced is.
+
+ASHA's stops are announced by `RecordingASHA` when it decides them. Start and end times, with
+the `fit_start_unix` / `report_unix` each trial reports, give every trial's fixed cost: from its
+process being ready to its first step, and from its last report to its end.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from ray.tune import Callback
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
 from experiments.experiment import append_event, read_events
+from experiments.outcome import FLAGS
 
 
 def _params(config: dict[str, Any]) -> str:
@@ -35,7 +40,12 @@ class RecordingASHA(ASHAScheduler):
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
         decision = super().on_trial_result(tune_controller, trial, result)
         tokens = result.get("tokens", 0)
-        if decision == TrialScheduler.STOP and tokens < self.full_tokens:  # not just finished
+        stopped = decision == TrialScheduler.STOP and tokens < self.full_tokens  # not just finished
+        if (
+            stopped
+            and not result.get("replayed")
+            and not announced(self.exp_dir, trial.trial_id, "asha_stop")
+        ):
             append_event(
                 self.exp_dir,
                 {"event": "asha_stop", "trial_id": trial.trial_id, "tokens": tokens, "unix": time.time()},
@@ -48,14 +58,19 @@ class RecordingASHA(ASHAScheduler):
         return decision
 
 
+def announced(exp_dir: Path, trial_id: str, event: str) -> bool:
+    """Whether `events.jsonl` already tells `event` of `trial_id`."""
+    return any(e["event"] == event and e["trial_id"] == trial_id for e in read_events(exp_dir))
+
+
 class TrialEvents(Callback):
     """Start, end and error of every trial: one line each, and a line in events.jsonl.
 
     Tune ends the trials that are running when `sweep.budget` runs out without calling
     `on_trial_complete`: `on_experiment_end` tells their end instead, once the budget is spent
-    (an interrupted sweep's trials are not ended: `gptrun resume` continues them). What it has
-    told and the budget time spent are saved with Tune's state (`get_state`), so that a resumed
-    sweep counts its budget from the sweep's start, as Tune does, and tells no end twice."""
+    (an interrupted sweep's trials are not ended: `gptrun resume` continues them). The budget
+    time spent is saved with Tune's state (`get_state`), so that a resumed sweep counts its
+    budget from the sweep's start, as Tune does."""
 
     def __init__(self, exp_dir: Path, full_tokens: int, budget_s: float | None = None) -> None:
         self.exp_dir, self.full_tokens, self.budget_s = exp_dir, full_tokens, budget_s
@@ -65,22 +80,27 @@ class TrialEvents(Callback):
 
     def setup(self, **info: Any) -> None:
         self.started_unix = time.time()  # Tune's budget clock starts with the experiment
+        self.ended = {e["trial_id"] for e in read_events(self.exp_dir) if e["event"] in ("end", "error")}
 
     def get_state(self) -> dict[str, Any]:
-        return {"ended": sorted(self.ended), "spent_s": self.spent_s + time.time() - self.started_unix}
+        return {"spent_s": self.spent_s + time.time() - self.started_unix}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.ended, self.spent_s = set(state["ended"]), state["spent_s"]
+        self.spent_s = state["spent_s"]
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        if trial.trial_id in self.ended:  # a resume replaying its end starts it for a moment
+            return
         append_event(self.exp_dir, {"event": "start", "trial_id": trial.trial_id, "unix": time.time()})
         print(f"trial {trial.trial_id} started: {_params(trial.config)}", flush=True)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        if trial.trial_id in self.ended:
+            return
+        self.ended.add(trial.trial_id)
         last = trial.last_result or {}
         append_event(self.exp_dir, {"event": "end", "trial_id": trial.trial_id, "unix": time.time()})
         print(f"trial {trial.trial_id} {self.describe(trial.trial_id, last)}", flush=True)
-        self.ended.add(trial.trial_id)
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         if self.budget_s is None or self.spent_s + time.time() - self.started_unix < self.budget_s:
@@ -90,16 +110,19 @@ class TrialEvents(Callback):
                 self.on_trial_complete(0, trials, trial)
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        append_event(self.exp_dir, {"event": "error", "trial_id": trial.trial_id, "unix": time.time()})
+        if trial.trial_id in self.ended:
+            return
         self.ended.add(trial.trial_id)
+        append_event(self.exp_dir, {"event": "error", "trial_id": trial.trial_id, "unix": time.time()})
         print(f"trial {trial.trial_id} failed: {trial.error_file or 'see its error.txt'}", flush=True)
 
     def describe(self, trial_id: str, last: dict[str, Any]) -> str:
         tokens, loss = last.get("tokens", 0), last.get("val_loss", float("nan"))
-        if last.get("error") or last.get("diverged"):
-            return f"{'failed' if last.get('error') else 'diverged'}: {last.get('reason', '')}"
+        for flag in FLAGS:
+            if last.get(flag):
+                return f"{'failed' if flag == 'error' else flag}: {last.get('reason', '')}"
         if tokens >= self.full_tokens:
             return f"completed: {tokens:,.0f} tokens, val loss {loss:.4f}"
-        if any(e["event"] == "asha_stop" and e["trial_id"] == trial_id for e in read_events(self.exp_dir)):
+        if announced(self.exp_dir, trial_id, "asha_stop"):
             return f"ended after ASHA's stop at {tokens:,.0f} tokens, val loss {loss:.4f}"
         return f"cut by the sweep budget at {tokens:,.0f} tokens, val loss {loss:.4f}"

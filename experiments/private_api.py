@@ -50,6 +50,13 @@ def trial_checkpoints(trial: Any) -> tuple[list[Any], Any]:
     return [r.checkpoint for r in manager._checkpoint_results], latest.checkpoint if latest else None
 
 
+def trial_folder(trial: Any) -> tuple[Any, str]:
+    """(pyarrow filesystem, path) of a Tune trial's folder on the experiment's storage, where its
+    checkpoint folders are: `trial.storage.storage_filesystem` and `.trial_fs_path` (Ray 2.60.0
+    `ray.train._internal.storage.StorageContext`; tests/test_sweep.py `test_kill_anywhere`)."""
+    return trial.storage.storage_filesystem, trial.storage.trial_fs_path
+
+
 def set_trial_checkpoints(trial: Any, kept: list[Any], latest: Any, index: int) -> None:
     """Make `kept` (oldest first, `latest` among them, or `latest` None) the checkpoints Tune
     keeps for `trial` and resumes it from, each keeping the metrics Tune had for it, and number
@@ -65,3 +72,10 @@ def set_trial_checkpoints(trial: Any, kept: list[Any], latest: Any, index: int) 
     manager._checkpoint_results = list(results.values())
     manager._latest_checkpoint_result = results[latest.path] if latest else None
     trial.storage.current_checkpoint_index = index
+
+
+def storage_trial_id(trial: Any) -> int:
+    """The storage's id of an Optuna `FrozenTrial` (not its number), which `optuna.Trial(study,
+    id)` takes to act on a trial asked by an earlier process: `_trial_id` (Optuna 5.1.0;
+    tests/test_sweep.py `test_kill_anywhere`)."""
+    return trial._trial_id

@@ -5,22 +5,21 @@ Works on finished, running and interrupted sweeps alike (it reads files, it star
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from experiments import remote
 from experiments.config import RayExperiment
-from experiments.experiment import META_FILE, is_experiment, read_events
+from experiments.experiment import is_experiment, load_base, read_events, study_url
+from experiments.outcome import FLAGS, RANKED, ended_status
+from experiments.record import read_records
 from experiments.space import ZERO_SUFFIX, Space, apply_overrides
 from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
 from gptcore.errors import UserError
 
 if TYPE_CHECKING:
     from experiments.report.common import CommonBudget
-
-STATUS_ORDER = ("completed", "stopped early", "cut by budget", "diverged", "error", "unfinished")
 
 
 def load_analysis(exp_dir: Path) -> Any:
@@ -37,57 +36,79 @@ def load_analysis(exp_dir: Path) -> Any:
     return ExperimentAnalysis(where)
 
 
-def trial_status(tune_status: str, last: dict[str, Any], max_tokens: float, asha_stopped: bool) -> str:
-    """completed (full budget), stopped early (by ASHA), cut by budget (the sweep's time budget
-    ended it), diverged, error, or unfinished (running, or interrupted and not yet resumed)."""
-    if last.get("error") or tune_status == "ERROR":
-        return "error"
-    if last.get("diverged"):
-        return "diverged"
-    if tune_status != "TERMINATED":
+def tune_status(tune_status: str, last: dict[str, Any], max_tokens: float, asha_stopped: bool) -> str:
+    """A trial's status from Tune's view alone, where the study has no record of it (a confirm
+    run, a trial the budget cut before the sweep closed it, a study out of reach): `unfinished`
+    while Tune has not ended it, else the outcome rule on its last report."""
+    if tune_status not in ("TERMINATED", "ERROR"):
         return "unfinished"
-    if last.get("tokens", 0) >= max_tokens:
-        return "completed"
-    return "stopped early" if asha_stopped else "cut by budget"
+    if tune_status == "ERROR":
+        return "error"
+    return ended_status(last, max_tokens, cut=not asha_stopped)
 
 
 def load_trials(exp_dir: Path) -> list[dict[str, Any]]:
     """One dict per trial, best first: id, sampled config, status, losses, tokens, checkpoint,
     node, and its fixed cost (seconds from its process being ready to its first step, and from
-    its last report to its end)."""
+    its last report to its end). A trial's status and final report come from its record in the
+    study (`experiments.record`) where there is one, else from Tune's view."""
     exp_dir = Path(exp_dir)
     analysis = load_analysis(exp_dir)
-    max_tokens = json.loads((exp_dir / META_FILE).read_text())["trial_tokens"]
+    cfg, meta = load_base(exp_dir)
+    max_tokens = meta["trial_tokens"]
+    records = read_records(study_url(cfg, exp_dir), exp_dir.name)
     events = read_events(exp_dir)
     asha = {e["trial_id"] for e in events if e["event"] == "asha_stop"}
     trials = []
     for trial in analysis.trials:
-        last = trial.last_result or {}
-        status = trial_status(trial.status, last, max_tokens, trial.trial_id in asha)
-        val = last.get("val_loss", math.nan)
+        record = records.pop(trial.trial_id, None)
+        if record is not None and record.ended:
+            status = record.status or STATE_STATUS[record.state]
+            last = {**(trial.last_result or {}), **record.final}
+        else:
+            last = trial.last_result or {}
+            status = tune_status(trial.status, last, max_tokens, trial.trial_id in asha)
         checkpoint = last.get("checkpoint_path") or (
             remote.shown_path(trial.checkpoint.path, trial.checkpoint.filesystem) if trial.checkpoint else ""
         )
-        trials.append(
-            {
-                "trial_id": trial.trial_id,
-                "config": dict(trial.config),
-                "status": status,
-                "val_loss": val if status not in ("diverged", "error") else math.nan,
-                "best_val_loss": last.get("best_val_loss", math.nan),
-                "val_bpb": last.get("val_bpb", math.nan),
-                "tokens": last.get("tokens", 0.0),
-                "step": last.get("step", 0.0),
-                "wall_s": last.get("time_total_s", 0.0),
-                "checkpoint": checkpoint,
-                "reason": last.get("reason", ""),
-                "node_id": last.get("node_id", ""),
-                "path": trial.path,
-                **_fixed_cost(trial.trial_id, events, last),
-            }
-        )
+        trials.append(_row(trial.trial_id, dict(trial.config), status, last, checkpoint, trial.path, events))
+    for tune_id, record in records.items():  # ended before Tune's last snapshot knew them
+        if record.ended:
+            status = record.status or STATE_STATUS[record.state]
+            trials.append(_row(tune_id, record.config, status, record.final, "", "", events))
     trials.sort(key=lambda t: (math.isnan(t["val_loss"]), t["val_loss"]))
     return trials
+
+
+STATE_STATUS = {"COMPLETE": "completed", "PRUNED": "stopped early", "FAIL": "error"}  # no status attr
+
+
+def _row(
+    trial_id: str,
+    config: dict[str, Any],
+    status: str,
+    last: dict[str, Any],
+    checkpoint: str,
+    path: str,
+    events: list[dict[str, Any]],
+) -> dict[str, Any]:
+    val = last.get("val_loss", math.nan)
+    return {
+        "trial_id": trial_id,
+        "config": config,
+        "status": status,
+        "val_loss": val if status in RANKED else math.nan,
+        "best_val_loss": last.get("best_val_loss", math.nan),
+        "val_bpb": last.get("val_bpb", math.nan),
+        "tokens": last.get("tokens", 0.0),
+        "step": last.get("step", 0.0),
+        "wall_s": last.get("time_total_s", 0.0),
+        "checkpoint": checkpoint,
+        "reason": last.get("reason", ""),
+        "node_id": last.get("node_id", ""),
+        "path": path,
+        **_fixed_cost(trial_id, events, last),
+    }
 
 
 def _fixed_cost(trial_id: str, events: list[dict[str, Any]], last: dict[str, Any]) -> dict[str, float]:
@@ -110,25 +131,30 @@ def best_config(cfg: RayExperiment, space: Space, trial: dict[str, Any], name: s
 
 
 def load_curves(exp_dir: Path) -> list[dict[str, Any]]:
-    """Every report of every trial: trial, tokens, step, train loss, val loss, lr, tokens/s."""
+    """Every report of every trial, once per (trial, step): trial, tokens, step, train loss, val
+    loss, lr, tokens/s. A resume replays the steps after a trial's checkpoint (the later report
+    of a step is kept) and replays an ended trial's last report (left out)."""
     analysis = load_analysis(Path(exp_dir))
-    rows = []
+    rows: dict[tuple[str, float], dict[str, Any]] = {}
     for trial_id, frame in analysis.trial_dataframes.items():
         for rec in frame.to_dict("records"):
-            if "step" not in rec or rec.get("error") or rec.get("diverged"):
+            if "step" not in rec or any(_flag(rec.get(k)) for k in (*FLAGS, "replayed")):
                 continue
-            rows.append(
-                {
-                    "trial_id": trial_id,
-                    "tokens": rec.get("tokens"),
-                    "step": rec["step"],
-                    "loss": rec.get("loss"),
-                    "val_loss": rec.get("val_loss"),
-                    "lr": rec.get("lr"),
-                    "tokens_per_sec": rec.get("tokens_per_sec"),
-                }
-            )
-    return rows
+            rows[trial_id, rec["step"]] = {
+                "trial_id": trial_id,
+                "tokens": rec.get("tokens"),
+                "step": rec["step"],
+                "loss": rec.get("loss"),
+                "val_loss": rec.get("val_loss"),
+                "lr": rec.get("lr"),
+                "tokens_per_sec": rec.get("tokens_per_sec"),
+            }
+    return list(rows.values())
+
+
+def _flag(value: Any) -> bool:
+    """A flag column of a trial's results: 1.0 where set, NaN (pandas) or absent where not."""
+    return isinstance(value, (int, float)) and not math.isnan(value) and bool(value)
 
 
 def short_params(config: dict[str, Any]) -> dict[str, Any]:

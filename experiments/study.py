@@ -1,49 +1,72 @@
-"""The Optuna study of a sweep, live in its storage from the first trial.
+"""The Optuna study of a sweep, live in its storage from the first trial, and the record of
+each trial's life (`experiments.record` says what it holds and why it is the authority).
 
 `StudySearch` is Ray's `OptunaSearch` given an RDB storage (sqlite in the experiment folder, or
-`sweep.storage_url`): every trial is written as it is asked and told, so a sweep killed and never
-resumed still leaves every finished trial in the study, and optuna-dashboard can watch a running
-sweep. It adds what Ray's searcher leaves out:
-- each Optuna trial carries its Tune trial id (user attribute `tune_trial_id`);
+`sweep.storage_url`). It adds what Ray's searcher leaves out:
+- each Optuna trial carries its Tune trial id and its config, written as it is asked;
 - intermediate values are keyed by tokens seen, which survive a restore (Tune's iteration
   counter restarts at 1 after one); every evaluation is one, the last included: Tune hands the
   result that ends a trial (the one ASHA stopped it on, or its full-budget one) to
   `on_trial_complete` only, so it is recorded there before the trial is told;
-- a trial that ends before its full token budget (ASHA stopped it, or the sweep's time budget
-  ran out) is told as PRUNED with its intermediate values, not as COMPLETE with a partial loss,
-  so TPE, the importance plot and the dashboard treat it as what it is.
-Diverged and failed runs report a bad finite loss and are told COMPLETE with it, so that TPE
-learns to avoid their region.
-
-A killed driver can have told the study about a trial that Tune's last saved state still holds as
-running: on resume Tune runs that trial on from its checkpoint, and its reports and end are then
-skipped here (the study already has them), so no trial is told twice.
+- a trial's end is told by the one outcome rule (`experiments.outcome`): COMPLETE, PRUNED (ASHA
+  stopped it) or FAIL (an error, which says nothing about its hyperparameters), with its status
+  and last report;
+- on a resume (`restore`), Tune's saved state may be older than the study: the trials the study
+  saw end are not told again (`gptrun resume` ends their Tune trials with the recorded result,
+  see `experiments.trial`), a half-told end is finished, and the trials asked after Tune's last
+  snapshot are handed to the next new Tune trials, so that they run instead of being dropped.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
-from experiments.private_api import optuna_study, optuna_trials, told_trials
+from experiments.outcome import ended_status, study_verdict
+from experiments.private_api import optuna_study, optuna_trials, storage_trial_id, told_trials
+from experiments.record import CONFIG, FINAL, STATUS, TUNE_ID, final_result, own_trials, record_of
 from experiments.storage import rdb_storage, shown_url
 from gptcore.errors import UserError
 
-TUNE_ID = "tune_trial_id"
-
 
 class StudySearch(OptunaSearch):
-    def __init__(self, *, full_tokens: int, **kwargs: Any) -> None:
+    def __init__(self, *, full_tokens: int, num_samples: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._full_tokens = full_tokens
+        self._full_tokens, self._num_samples = full_tokens, num_samples
         self._reported: dict[str, int] = {}  # trial id -> last tokens reported to Optuna
+        self._orphans: list[int] = []  # storage ids of trials asked that Tune never saved
 
-    def suggest(self, trial_id: str) -> dict | None:
+    def suggest(self, trial_id: str) -> dict | str | None:
+        import optuna
+
+        study, trials = optuna_study(self), optuna_trials(self)
+        if trial_id not in trials:
+            if self._orphans:  # asked by a killed driver after Tune's last snapshot: run it now
+                trials[trial_id] = optuna.Trial(study, self._orphans.pop(0))
+            elif len(own_trials(study)) >= self._num_samples:  # ended before Tune saved them
+                return Searcher.FINISHED
         params = super().suggest(trial_id)
-        if trial_id in optuna_trials(self):
-            optuna_trials(self)[trial_id].set_user_attr(TUNE_ID, trial_id)
+        trials[trial_id].set_user_attr(TUNE_ID, trial_id)
+        trials[trial_id].set_user_attr(CONFIG, params)
         return params
+
+    def restore(self, checkpoint_path: str) -> None:
+        """Tune's saved searcher (as old as Tune's last snapshot), reconciled to the study."""
+        super().restore(checkpoint_path)
+        import optuna
+
+        study, known = optuna_study(self), optuna_trials(self)
+        for trial in own_trials(study):
+            record = record_of(trial)
+            if record.state == "RUNNING" and record.status:  # killed between status and tell
+                state, value = study_verdict(record.status, record.final)
+                study.tell(trial.number, value, state=optuna.trial.TrialState[state], skip_if_finished=True)
+            if record.ended:
+                told_trials(self).add(record.tune_id)
+            elif record.tune_id not in known:
+                self._orphans.append(storage_trial_id(trial))
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         if trial_id in told_trials(self) or trial_id not in optuna_trials(self):
@@ -57,38 +80,27 @@ class StudySearch(OptunaSearch):
         tokens = int(result.get("tokens", 0))
         if self.metric not in result or tokens <= self._reported.get(trial_id, 0):
             return
-        if result.get("error") or result.get("diverged"):
+        if result.get("error") or result.get("diverged") or result.get("refused") or result.get("replayed"):
             return
-        from optuna.exceptions import UpdateFinishedTrialError
-
-        try:
-            optuna_trials(self)[trial_id].report(result[self.metric], tokens)
-        except UpdateFinishedTrialError:  # told before the driver was killed: see the module doc
-            told_trials(self).add(trial_id)
-            return
-        self._reported[trial_id] = tokens
+        optuna_trials(self)[trial_id].report(result[self.metric], tokens)  # a replayed token count
+        self._reported[trial_id] = tokens  # after a resume overwrites the same value
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        if trial_id in told_trials(self) or trial_id not in optuna_trials(self):
+        if trial_id in told_trials(self):  # recorded already: a resume replayed its end
+            return
+        if trial_id not in optuna_trials(self):
             return super().on_trial_complete(trial_id, result, error)
         import optuna
 
-        failed = error or not result or self.metric not in result
-        if not failed:
+        if result and not error:
             self._record(trial_id, result)  # the result that ended it reached no on_trial_result
-            if trial_id in told_trials(self):  # told by a killed driver: see the module doc
-                return
-        if (
-            failed
-            or result.get("error")
-            or result.get("diverged")
-            or result.get("tokens", 0) >= self._full_tokens
-        ):
-            state = optuna.trial.TrialState.FAIL if failed else optuna.trial.TrialState.COMPLETE
-            value = None if failed else result[self.metric]
-        else:  # Optuna gives a PRUNED trial the value of its last report: the one just recorded
-            state, value = optuna.trial.TrialState.PRUNED, None
-        optuna_study(self).tell(optuna_trials(self)[trial_id], value, state=state, skip_if_finished=True)
+        status = ended_status(None if error else result, self._full_tokens)
+        final = final_result(result)
+        trial = optuna_trials(self)[trial_id]
+        trial.set_user_attr(FINAL, final)
+        trial.set_user_attr(STATUS, status)  # the end is recorded from here on
+        state, value = study_verdict(status, final)
+        optuna_study(self).tell(trial, value, state=optuna.trial.TrialState[state], skip_if_finished=True)
         told_trials(self).add(trial_id)
 
 
@@ -126,18 +138,23 @@ def delete_study(url: str, name: str) -> None:
         optuna.delete_study(study_name=name, storage=storage)
 
 
-def close_running(url: str, name: str, known: set[str], cut: set[str]) -> None:
-    """Close the trials a finished sweep left RUNNING in the study. Those whose Tune trial the
-    time budget ended (`cut`: Tune tells no searcher about them) are PRUNED, like ASHA's stops.
-    Those whose Tune trial is not in the experiment (`known`) were asked by a driver killed
-    before Tune saved them (Tune asks again for a new trial on resume): FAIL, so that no trial
-    looks as if it were still running."""
+def close_unfinished(url: str, name: str, cut: dict[str, dict[str, Any]]) -> None:
+    """End the trials that a finished sweep left RUNNING in its study. Those the time budget
+    ended (`cut`: Tune trial id -> last report; Tune tells no searcher about them) are "cut by
+    budget", PRUNED like ASHA's stops; a trial asked that never ran (the budget ended the sweep
+    first) is an error."""
     import optuna
 
     study = optuna.load_study(study_name=name, storage=rdb_storage(url))
-    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        tune_id = trial.user_attrs.get(TUNE_ID)
-        if tune_id in cut:
-            study.tell(trial.number, state=optuna.trial.TrialState.PRUNED)
-        elif tune_id not in known:
-            study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+    for trial in own_trials(study):
+        record = record_of(trial)
+        if record.ended:
+            continue
+        last = cut.get(record.tune_id)
+        status = "cut by budget" if last is not None else "error"
+        final = final_result(last) if last is not None else {"reason": "not run: the sweep ended first"}
+        handle = optuna.Trial(study, storage_trial_id(trial))
+        handle.set_user_attr(FINAL, final)
+        handle.set_user_attr(STATUS, status)
+        state, value = study_verdict(status, final)
+        study.tell(trial.number, value, state=optuna.trial.TrialState[state], skip_if_finished=True)

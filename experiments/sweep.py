@@ -41,7 +41,8 @@ from experiments.experiment import (
     start_experiment,
     study_url,
 )
-from experiments.results import best_config, load_trials, print_table, print_trial_costs
+from experiments.outcome import best_trial
+from experiments.results import best_config, load_analysis, load_trials, print_table, print_trial_costs
 from experiments.space import Space, parse_space
 from experiments.storage import shown_url
 from experiments.tuner import new_tuner, restore_tuner, tracking_callbacks
@@ -183,19 +184,20 @@ def run_resume(plan: SweepPlan) -> int:
 
 def finish(cfg: RayExperiment, space: Space, exp_dir: Path) -> int:
     """The summary table, the per-trial fixed costs, best.toml and the best checkpoint's path;
-    trials that the budget ended or a killed driver left RUNNING in the study are closed."""
-    from experiments.study import close_running
+    the trials that the time budget ended are recorded in the study first (Tune tells no
+    searcher about them), so that the table and the study agree."""
+    from experiments.study import close_unfinished
 
+    analysis = load_analysis(exp_dir)
+    cut = {t.trial_id: t.last_result or {} for t in analysis.trials if t.status == "TERMINATED"}
+    close_unfinished(study_url(cfg, exp_dir), exp_dir.name, cut)
     trials = load_trials(exp_dir)
-    cut = {t["trial_id"] for t in trials if t["status"] == "cut by budget"}
-    close_running(study_url(cfg, exp_dir), exp_dir.name, {t["trial_id"] for t in trials}, cut)
     print_table(trials, space)
     print_trial_costs(trials)
-    ok = [t for t in trials if t["status"] in ("completed", "stopped early", "cut by budget")]
-    if not ok:
+    best = best_trial(trials)
+    if best is None:
         print("no trial finished without error; see the reasons above")
         return 1
-    best = min(ok, key=lambda t: t["val_loss"])
     save(exp_dir, BEST_FILE, best_config(cfg, space, best, exp_dir.name).to_toml())
     print(
         f"best trial {best['trial_id']}: val loss {best['val_loss']:.4f} | config "

@@ -24,7 +24,7 @@ from typing import Any
 from experiments.budget import trial_tokens
 from experiments.config import RayExperiment, load_experiment
 from experiments.experiment import load_base
-from experiments.report.data import best_trial
+from experiments.outcome import best_trial
 from experiments.results import best_config, fmt_value, load_trials
 from experiments.space import Space, apply_overrides, config_value, parse_space
 from experiments.table import print_columns

@@ -6,9 +6,11 @@ TorchTrainer (controller, worker group, placement group) costs ~25 s before the 
 of a short trial. A trial with `resources.workers > 1` is one Ray Train DDP run, named
 `train-<trial_id>` under `EXPERIMENT/runs/` so that it resumes from its own last checkpoint.
 
-Either way a diverged or failed run, or one whose sampled values the config refuses, reports a
-bad, finite loss and its reason instead of raising, so the sweep goes on and the searcher learns
-that this region is bad.
+Either way a run that diverged, or whose sampled values the config refuses, reports a bad,
+finite loss and its reason instead of raising, so the sweep goes on and the searcher learns that
+this region is bad; any other failure (a bug, out of memory, a lost file) reports its reason as
+an error, which the study records as FAIL (`experiments.outcome`). A trial that the study saw
+end before a killed driver's resume ends again with that result, without training (`ended`).
 """
 
 from __future__ import annotations
@@ -23,40 +25,42 @@ from experiments.objective import METRIC
 from experiments.private_api import in_tune_session
 from experiments.space import apply_overrides
 from experiments.train import build_trainer, checkpoint_reporter, diverged_loss, resume, root_message
-from gptcore.errors import DivergedError
+from gptcore.errors import DivergedError, UserError
 
 
-def run_trial(config: dict[str, Any], base: dict[str, Any], runs_storage: str) -> None:
+def run_trial(
+    config: dict[str, Any], base: dict[str, Any], runs_storage: str, ended: dict[str, dict] | None = None
+) -> None:
     """The Tune function trainable. `base` holds the experiment's config and its `Space` (which
-    turns the sampled `config` into config values)."""
+    turns the sampled `config` into config values); `ended` maps the trials that had ended
+    before a resume to the report that ends them again (`experiments.record.replay_result`)."""
     from ray import tune
 
-    cfg = experiment_from_dict(base["config"])  # scores a trial whose sampled values are refused
+    replay = (ended or {}).get(tune.get_context().get_trial_id())
+    if replay is not None:
+        tune.report(replay)
+        return
+    cfg = experiment_from_dict(base["config"])
     try:
         cfg = apply_overrides(cfg, base["space"].overrides(config))
+    except UserError as err:  # sampled values the config refuses
+        return _report_verdict(cfg, "refused", str(err))
+    try:
         outcome = train_here(cfg) if is_lean(cfg) else train_ddp(cfg, runs_storage)
     except Exception as err:  # recorded with its reason; never crashes the sweep
         if not in_tune_session():  # ASHA or the budget stopped it, aborting its DDP run: no error
             return
-        tune.report(
-            {
-                METRIC: diverged_loss(cfg),
-                "tokens": float(trial_tokens(cfg)),
-                "error": 1.0,
-                "reason": root_message(err),
-            }
-        )
-        return
+        return _report_verdict(cfg, "error", root_message(err))
     if outcome.get("status") in ("diverged", "refused"):
-        flag = "diverged" if outcome["status"] == "diverged" else "error"
-        tune.report(
-            {
-                METRIC: diverged_loss(cfg),
-                "tokens": float(trial_tokens(cfg)),
-                flag: 1.0,
-                "reason": outcome["reason"],
-            }
-        )
+        _report_verdict(cfg, outcome["status"], outcome["reason"])
+
+
+def _report_verdict(cfg: RayExperiment, flag: str, reason: str) -> None:
+    """The last report of a trial that diverged, was refused or failed: the bad score that ranks
+    it (the study records an error as FAIL), its flag and its reason."""
+    from ray import tune
+
+    tune.report({METRIC: diverged_loss(cfg), "tokens": float(trial_tokens(cfg)), flag: 1.0, "reason": reason})
 
 
 def train_here(cfg: RayExperiment) -> dict[str, str]:

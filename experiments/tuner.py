@@ -14,7 +14,9 @@ from experiments.budget import grace_tokens, is_lean, startup_trials, trial_reso
 from experiments.config import RayExperiment, SweepConfig, parse_duration
 from experiments.experiment import RUNS_DIR, study_url, trial_dirname
 from experiments.objective import METRIC, MODE
+from experiments.record import read_records, replay_result
 from experiments.space import Space
+from experiments.train import diverged_loss
 from experiments.trial import run_trial
 from experiments.warm_start import History, start_study
 from gptcore.errors import UserError
@@ -42,12 +44,13 @@ def new_tuner(
     from ray import tune
 
     from experiments.events import TrialEvents
-    from experiments.lost_checkpoints import LostCheckpoints
+    from experiments.newest_checkpoint import NewestCheckpoints
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's table reporter, not the new UI
     # Frequent checkpoints of short trials trigger a warning about snapshot frequency that a
     # user cannot act on: the snapshots are what makes a killed sweep resumable.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    snapshot_often()
     tune_config = tune_config or search_config(cfg, space, exp_dir, history)
     tune_config.max_concurrent_trials = width
     tune_config.trial_dirname_creator = trial_dirname
@@ -61,7 +64,7 @@ def new_tuner(
     )
     callbacks = [
         TrialEvents(exp_dir, trial_tokens(cfg), tune_config.time_budget_s),  # confirm: no budget
-        LostCheckpoints(),  # a resume's checkpoints that a killed driver had deleted
+        NewestCheckpoints(),  # a resume continues each trial from its newest checkpoint
         *tracking_callbacks(cfg, tracking_name or exp_dir.name, exp_dir),
     ]
     storage_path, _, name = remote.location(exp_dir).rpartition("/")
@@ -84,22 +87,36 @@ def new_tuner(
 
 def restore_tuner(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
     """The Tuner of an interrupted experiment: its trials, searcher, scheduler and callbacks come
-    back from Tune's state; unfinished trials continue from their last checkpoint."""
+    back from Tune's state, reconciled to the study (`experiments.record`): a trial the study saw
+    end is ended again with its recorded result, without training; unfinished trials continue
+    from their newest checkpoint (`NewestCheckpoints`)."""
     from ray import tune
 
+    snapshot_often()
+    records = read_records(study_url(cfg, exp_dir), exp_dir.name)
+    ended = {tid: replay_result(r, diverged_loss(cfg)) for tid, r in records.items() if r.ended}
     return tune.Tuner.restore(
-        remote.location(exp_dir), trainable=trainable(cfg, space, exp_dir), resume_errored=True
+        remote.location(exp_dir), trainable=trainable(cfg, space, exp_dir, ended), resume_errored=True
     )
 
 
-def trainable(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
-    """`run_trial` with the experiment's config bound and the trial's resources reserved."""
+def snapshot_often() -> None:
+    """Tune snapshots its experiment state every `TUNE_GLOBAL_CHECKPOINT_S` seconds (by default
+    at least 10 s apart). A trial asked after the last snapshot is run again from step 0 by a
+    resume (its sampled values kept, `StudySearch.restore`): every second keeps that loss to a
+    second, for what docs/sweeps.md measures as a cost within noise."""
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
+
+
+def trainable(cfg: RayExperiment, space: Any, exp_dir: Path, ended: dict[str, dict] | None = None) -> Any:
+    """`run_trial` with the experiment's config bound and the trial's resources reserved;
+    `ended`: the replayed ends of a resume."""
     from ray import tune
 
     base = {"config": cfg.to_dict(), "space": space}
+    runs = f"{remote.location(exp_dir)}/{RUNS_DIR}"
     return tune.with_resources(
-        tune.with_parameters(run_trial, base=base, runs_storage=f"{remote.location(exp_dir)}/{RUNS_DIR}"),
-        trial_resources(cfg),
+        tune.with_parameters(run_trial, base=base, runs_storage=runs, ended=ended or {}), trial_resources(cfg)
     )
 
 
@@ -119,6 +136,7 @@ def search_config(cfg: RayExperiment, space: Space, exp_dir: Path, history: Hist
     start_study(url, exp_dir.name, space, max_t, history)
     searcher = StudySearch(
         full_tokens=max_t,
+        num_samples=cfg.sweep.num_samples,
         space=space.suggest,
         points_to_evaluate=points,
         sampler=tpe_sampler(cfg.sweep, space),

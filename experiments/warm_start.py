@@ -27,11 +27,12 @@ from experiments.budget import startup_trials, trial_tokens
 from experiments.config import RayExperiment
 from experiments.experiment import STUDY_FILE, is_experiment, load_base, study_url
 from experiments.objective import DIRECTION
+from experiments.record import TUNE_ID, WARM_FROM
 from experiments.space import Space, parse_space
 from experiments.storage import rdb_storage, shown_url
 from gptcore.errors import UserError
 
-WARM_FROM, WARM_TRIAL = "warm_start_from", "warm_start_trial"  # trial user attributes
+WARM_TRIAL = "warm_start_trial"  # a copied trial's Tune trial id in its own sweep
 SPACE_ATTR, TOKENS_ATTR = "space", "trial_tokens"  # study user attributes
 
 
@@ -179,8 +180,6 @@ def _copy(trial: Any, source: str) -> Any:
     """A finished trial as a new one for another study: its values, curve and params, tagged
     with where it came from (a trial copied from a warm-started sweep keeps its first origin)."""
     import optuna
-
-    from experiments.study import TUNE_ID  # (imports Ray) this sweep's own trials carry it
 
     attrs = {k: v for k, v in trial.user_attrs.items() if k != TUNE_ID}
     attrs.setdefault(WARM_FROM, source)

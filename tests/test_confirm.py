@@ -15,8 +15,8 @@ import pytest
 from scipy.stats import t as student_t
 
 from experiments.config import load_experiment
-from experiments.confirm import ranked_trials
 from experiments.noise import compare, measure_noise, noise_line, print_noise, verdict
+from experiments.outcome import ranked
 from experiments.results import load_trials
 from tests.conftest import assert_user_error, run_cli, write_sweep_config
 
@@ -193,10 +193,10 @@ def _confirm_trial_dirs(exp_dir: Path) -> list[Path]:
 @pytest.mark.ray
 def test_sweep_reruns_its_best_configs_with_new_seeds(finished_sweep: Path) -> None:
     noise = json.loads((finished_sweep / "noise.json").read_text())
-    ranked = ranked_trials(load_trials(finished_sweep))  # completed, then stopped early
+    candidates = ranked(load_trials(finished_sweep))  # completed, then stopped early
     sweep_seed = load_experiment(finished_sweep / "gptrun.toml").train.seed
     rows = noise["candidates"]
-    assert sorted(r["trial_id"] for r in rows) == sorted(t["trial_id"] for t in ranked[:2])
+    assert sorted(r["trial_id"] for r in rows) == sorted(t["trial_id"] for t in candidates[:2])
     for row in rows:
         assert row["seeds"] == [sweep_seed + 1, sweep_seed + 2]
         assert len(row["losses"]) == 2 and all(math.isfinite(x) for x in row["losses"])

@@ -21,8 +21,9 @@ import pytest
 from matplotlib.image import imread
 
 from experiments.config import load_experiment
+from experiments.outcome import best_trial
 from experiments.report.common import CommonBudget, analysis_study, common_budget
-from experiments.report.data import best_trial, trial_rows
+from experiments.report.data import trial_rows
 from experiments.report.importance import MIN_TRIALS, importances, too_few
 from experiments.report.page import report_page
 from experiments.results import print_table

@@ -335,9 +335,9 @@ def test_a_sampled_value_the_config_refuses_fails_that_trial_with_its_reason(tin
     bad = [t for t in trials if t["config"]["optim.beta2"] >= 1]
     assert bad and len(bad) < len(trials), [t["config"] for t in trials]
     for t in bad:
-        assert t["status"] == "error" and "beta2" in t["reason"], t
+        assert t["status"] == "refused" and "beta2" in t["reason"], t
         assert not (Path(t["path"]) / "error.txt").exists(), t["path"]  # not a Tune ERROR
-        assert f"trial {t['trial_id']} failed: " in proc.stdout
+        assert f"trial {t['trial_id']} refused: " in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
     study = study_values(f"sqlite:///{exp_dir / 'optuna.db'}", "beta2")
     cfg = load_experiment(exp_dir / "gptrun.toml")

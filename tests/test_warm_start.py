@@ -17,9 +17,10 @@ import pytest
 
 from experiments.config import RayExperiment, load_experiment
 from experiments.experiment import start_experiment, study_url
+from experiments.record import WARM_FROM
 from experiments.space import apply_overrides, parse_space
 from experiments.tuner import search_config, tpe_sampler
-from experiments.warm_start import WARM_FROM, history_trials, load_history, start_study
+from experiments.warm_start import history_trials, load_history, start_study
 from gptcore.errors import UserError
 from tests.conftest import assert_user_error, run_cli, study_trials, write_sweep_config
 

@@ -12,9 +12,10 @@ from pathlib import Path
 from experiments.config import load_experiment
 from experiments.experiment import STUDY_FILE, open_experiment, study_url
 from experiments.noise import print_noise
+from experiments.outcome import best_trial
 from experiments.remote import is_uri
 from experiments.report.common import analysis_study, common_budget
-from experiments.report.data import best_trial, read_noise, trial_rows, write, write_tables
+from experiments.report.data import read_noise, trial_rows, write, write_tables
 from experiments.report.importance import importances
 from experiments.report.interactive import check_plotly
 from experiments.report.page import report_page, warm_start_html

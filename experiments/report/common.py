@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from experiments.objective import DIRECTION
+from experiments.outcome import RANKED
 from experiments.space import Space
 from experiments.table import fmt_tokens
-
-OK = ("completed", "stopped early", "cut by budget")  # finished without error: a loss to rank
 
 
 @dataclass(frozen=True)
@@ -53,13 +52,13 @@ def common_budget(
     to compare. A compared trial that never reached the budget, or has no evaluation at or before
     it (one that ended before its first), is left out and named in `left_out`."""
     points_of = evaluations(curves)
-    finished = [t["trial_id"] for t in trials if t["status"] in OK]
+    finished = [t["trial_id"] for t in trials if t["status"] in RANKED]
     if tokens is None:
         tokens = min((points_of[tid][-1][0] for tid in finished if tid in points_of), default=0)
     losses = {}
     for t in trials:
         points = points_of.get(t["trial_id"], [])
-        if t["status"] not in (*OK, "unfinished") or not points or points[-1][0] < tokens:
+        if t["status"] not in (*RANKED, "unfinished") or not points or points[-1][0] < tokens:
             continue
         before = [loss for at, loss in points if at <= tokens]
         if before:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.noise import NOISE_FILE
-from experiments.report.common import OK, CommonBudget
+from experiments.report.common import CommonBudget
 from experiments.results import short_params
 from gptcore.atomic import atomic_file
 
@@ -53,12 +53,6 @@ def trial_rows(trials: list[dict[str, Any]], common: CommonBudget) -> list[dict[
             }
         )
     return rows
-
-
-def best_trial(trials: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The lowest final loss among trials that finished without error; None before any has."""
-    ok = [t for t in trials if t["status"] in OK and not math.isnan(t["val_loss"])]
-    return min(ok, key=lambda t: t["val_loss"]) if ok else None
 
 
 def write_tables(rows: list[dict[str, Any]], curves: list[dict[str, Any]], out_dir: Path) -> None:

@@ -14,13 +14,14 @@ from typing import Any
 
 from experiments.config import RayExperiment
 from experiments.noise import noise_line, verdict
+from experiments.record import WARM_FROM
 from experiments.report import interactive
 from experiments.report.common import CommonBudget
 from experiments.report.importance import Importances
 from experiments.results import short_params
 from experiments.space import Space, config_value
 from experiments.table import fmt_sci, fmt_tokens, short_ids
-from experiments.warm_start import WARM_FROM, WARM_TRIAL
+from experiments.warm_start import WARM_TRIAL
 
 STATUS = {  # a status in words, and what it means on hover
     "completed": "trained its full token budget",
@@ -28,7 +29,8 @@ STATUS = {  # a status in words, and what it means on hover
     "cut by budget": "ended by the sweep's time budget before its token budget",
     "unfinished": "running, or interrupted and not yet resumed",
     "diverged": "its loss became NaN or infinite",
-    "error": "failed: see the reason column",
+    "refused": "the config refused its sampled values: see the reason column",
+    "error": "failed for a reason that says nothing of its hyperparameters: see the reason column",
 }
 HEADERS = {
     "rank": "#",
@@ -46,7 +48,7 @@ STYLE = """body{font-family:sans-serif;max-width:1200px;margin:auto;padding:0 1e
 table{border-collapse:collapse;font-size:13px}
 td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}
 th.at,td.at{background:#eef4fb;font-weight:bold} tr.unfinished{background:#ffe9c7;font-style:italic}
-tr.stopped-early,tr.cut-by-budget{color:#555} tr.diverged,tr.error{color:#a00}
+tr.stopped-early,tr.cut-by-budget{color:#555} tr.diverged,tr.refused,tr.error{color:#a00}
 img{max-width:100%} p.note{background:#f6f6f6;padding:.5em 1em;border-left:4px solid #888}"""
 
 

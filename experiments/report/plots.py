@@ -24,6 +24,7 @@ LINE = {
     "cut by budget": dict(color="tab:purple", ls="-.", alpha=0.6),
     "unfinished": dict(color="tab:orange", ls=":", lw=2),
     "diverged": dict(color="k", ls=":"),
+    "refused": dict(color="k", ls=":"),
     "error": dict(color="k", ls=":"),
 }
 MARKER = {"completed": "o", "stopped early": "v", "cut by budget": "s", "unfinished": "X"}
