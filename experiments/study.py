@@ -58,6 +58,10 @@ class StudySearch(OptunaSearch):
         import optuna
 
         study, known = optuna_study(self), optuna_trials(self)
+        self._orphans = []  # the saved ones are as old as the snapshot: found again below
+        # The sampler's random state is as old too: it would draw again the values of the
+        # trials asked since (and TPE's random start-up draws from it alone).
+        study.sampler.reseed_rng()
         for trial in own_trials(study):
             record = record_of(trial)
             if record.state == "RUNNING" and record.status:  # killed between status and tell

@@ -170,7 +170,7 @@ def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
     last = {tid: rows[-1]["step"] for tid, rows in after.items()}
     assert set(last.values()) == {steps}, (last, proc.stdout[-3000:])
     lost_name = lost.rsplit("/", 1)[1]
-    assert f"trial {lost_tid}: its last checkpoint {lost_name} is gone from storage" in proc.stdout
+    assert f"trial {lost_tid}: Tune's saved state named checkpoint {lost_name}, its newest" in proc.stdout
     for needle in ("Could not recover", "Error handling checkpoint"):  # no failed restore or delete
         assert needle not in proc.stdout + proc.stderr, needle
     resumed = [r["resumed_from"] for r in after[lost_tid] if r.get("resumed_from", 0) > 0]
@@ -197,3 +197,24 @@ def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not old & set(keys(s3, "sweeps/killed/"))  # the old trials are gone from the bucket
     assert len(result_rows(s3, "sweeps/killed/")) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_kill_anywhere_in_s3(s3, tiny_data, tmp_path, monkeypatch):
+    """tests/test_sweep.py's kill-anywhere test on the moto server, at the moments where the
+    object store's background uploads matter: right after a trial ends, right after ASHA stops
+    one, while a checkpoint is written."""
+    from benchmarks.kill_anywhere import CHOSEN, Sweep, kill_and_resume
+
+    for key, value in s3.items():  # the harness reads the bucket and the working copy here too
+        monkeypatch.setenv(key, value)
+    n = 8
+    config = write_sweep_config(tiny_data, tmp_path, n=n, max_steps=60)
+    overrides = ["train.eval_interval=10", "train.checkpoint_interval=10"]
+    sweep = Sweep(config, f"s3://{BUCKET}/sweeps", "anywhere", overrides, s3)
+    moments = [m for m in CHOSEN if "ends" in m.name or "ASHA" in m.name or "checkpoint" in m.name]
+    missed = kill_and_resume(sweep, moments)
+    assert not missed, (missed, sweep.outputs)
+    verdict = sweep.verdict(n)
+    assert verdict.clean, (verdict, sweep.outputs[-1][-3000:])
