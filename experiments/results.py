@@ -5,14 +5,14 @@ Works on finished, running and interrupted sweeps alike (it reads files, it star
 
 from __future__ import annotations
 
-import json
 import math
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from experiments import remote
 from experiments.config import RayExperiment
-from experiments.experiment import META_FILE, is_experiment, read_events
+from experiments.experiment import is_experiment, read_events, read_meta
 from experiments.space import ZERO_SUFFIX, Space, apply_overrides
 from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
 from gptcore.errors import UserError
@@ -34,7 +34,13 @@ def load_analysis(exp_dir: Path) -> Any:
             f"{where} is not a gptrun sweep folder (no gptrun.toml / Tune state); "
             "pass the folder that `gptrun sweep` printed"
         )
-    return ExperimentAnalysis(where)
+    try:
+        return ExperimentAnalysis(where)
+    except (ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as err:
+        raise UserError(
+            f"Tune's saved state in {where} cannot be read ({type(err).__name__}: {err}); the "
+            "folder is damaged: restore it from a copy, or start the sweep again with --restart"
+        ) from None
 
 
 def trial_status(tune_status: str, last: dict[str, Any], max_tokens: float, asha_stopped: bool) -> str:
@@ -57,7 +63,7 @@ def load_trials(exp_dir: Path) -> list[dict[str, Any]]:
     its last report to its end)."""
     exp_dir = Path(exp_dir)
     analysis = load_analysis(exp_dir)
-    max_tokens = json.loads((exp_dir / META_FILE).read_text())["trial_tokens"]
+    max_tokens = read_meta(exp_dir)["trial_tokens"]
     events = read_events(exp_dir)
     asha = {e["trial_id"] for e in events if e["event"] == "asha_stop"}
     trials = []

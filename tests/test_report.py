@@ -552,3 +552,19 @@ def test_report_needs_its_plotting_libraries(finished_sweep: Path, tmp_path: Pat
 def test_report_not_an_experiment(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("not a sweep")
     assert_user_error(run_cli("report", str(tmp_path)), str(tmp_path), "not a gptrun sweep folder")
+
+
+@pytest.mark.parametrize("damage", ["experiment_state", "sweep.json"])
+def test_report_on_a_damaged_sweep_is_one_line(finished_sweep: Path, tmp_path: Path, damage: str) -> None:
+    """A truncated Tune state, or a `sweep.json` that is not JSON, names the file and what to do."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(finished_sweep, copy, ignore=shutil.ignore_patterns("report"))
+    if damage == "sweep.json":
+        (copy / "sweep.json").write_text("{not json")
+        needle = f"{copy}/sweep.json is damaged"
+    else:
+        state = sorted(copy.glob("experiment_state-*.json"))[-1]
+        state.write_text(state.read_text()[:200])
+        needle = "Tune's saved state in"
+    assert_user_error(run_cli("report", str(copy), "--out", str(tmp_path / "r")), needle, "--restart")
+    assert not (tmp_path / "r").exists()
