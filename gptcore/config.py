@@ -415,6 +415,8 @@ def _coerce(key: str, want: Any, value: Any) -> Any:
             return int(value)
     elif want is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML's inf and nan: no key means them
+                raise UserError(f"config key {key}={value} must be a finite number")
             return float(value)
     elif want is str:
         if isinstance(value, str):
