@@ -11,13 +11,13 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import tomllib
 import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import tomli_w
-import tomllib
 
 from gptcore.data import VOCAB_LIMIT
 from gptcore.device import check_device_name

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tomllib
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 import yaml
 from packaging.requirements import Requirement
 
