@@ -395,6 +395,50 @@ def test_atomic_dir_gets_mkdir_permissions_without_setting_the_umask(tmp_path, m
     assert (tmp_path / "d" / "f.txt").read_text() == "x"
 
 
+def _folder(path, text):
+    with atomic.atomic_dir(path) as tmp:
+        (tmp / "f.txt").write_text(text)
+
+
+def test_replacing_a_folder_never_leaves_its_path_empty(tmp_path, monkeypatch):
+    """The old and the new folder trade places in one step (Linux's RENAME_EXCHANGE), so no kill
+    can fall between two renames: a rename here is where a killed process would stop, and none
+    is needed."""
+    _folder(tmp_path / "d", "old")
+
+    def killed(src, dst):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(os, "replace", killed)
+    _folder(tmp_path / "d", "new")
+    assert (tmp_path / "d" / "f.txt").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]  # the old version is gone too
+
+
+def test_a_kill_between_the_two_renames_of_the_fallback_keeps_the_old_folder(tmp_path, monkeypatch):
+    """Where no atomic swap exists, `path -> .old` then `tmp -> path`: a kill in between leaves only
+    `.old`, which the next run puts back before anything else (it once deleted it)."""
+    _folder(tmp_path / "d", "old")
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    real_replace = os.replace
+
+    def killed_after_the_first(src, dst):
+        real_replace(src, dst)
+        monkeypatch.setattr(os, "replace", real_replace)
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(os, "replace", killed_after_the_first)
+    with pytest.raises(RuntimeError, match="killed"):
+        _folder(tmp_path / "d", "new")
+    assert not (tmp_path / "d").exists() and (tmp_path / ".d.old" / "f.txt").read_text() == "old"
+    with pytest.raises(RuntimeError), atomic.atomic_dir(tmp_path / "d"):
+        assert (tmp_path / "d" / "f.txt").read_text() == "old"  # restored before any work
+        raise RuntimeError("the next run fails too")
+    assert (tmp_path / "d" / "f.txt").read_text() == "old"
+    _folder(tmp_path / "d", "newer")
+    assert (tmp_path / "d" / "f.txt").read_text() == "newer" and not (tmp_path / ".d.old").exists()
+
+
 def test_local_run_resumes_and_refuses_another_shape(tiny_data, tmp_path, capsys):
     cfg = make_config(tiny_data, tmp_path, "train.max_steps=8")
     first = train_local(cfg)
