@@ -24,9 +24,9 @@ from experiments.config import load_experiment
 from experiments.report.common import CommonBudget, analysis_study, common_budget
 from experiments.report.data import best_trial, trial_rows
 from experiments.report.importance import MIN_TRIALS, importances, too_few
-from experiments.report.page import report_page
+from experiments.report.page import baseline_note, report_page
 from experiments.results import print_table
-from experiments.space import parse_space
+from experiments.space import apply_overrides, parse_space
 from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
 from tests.conftest import REPO, assert_user_error, run_cli, study_values
 
@@ -327,6 +327,15 @@ def test_page_from_made_up_trials(tmp_path: Path) -> None:
     assert f"<a href='../trial_{trials[0]['trial_id']}/'>{trials[0]['trial_id']}</a>" in html
     assert "title='stopped by ASHA at a rung" in html and "Best trial <b>" in html
     assert ranked.note in html
+
+
+def test_config_strings_on_the_page_are_escaped() -> None:
+    """A searched string value (here a data folder named like markup) is text, not HTML."""
+    name = "<script>alert(1)</script>"
+    cfg = load_experiment(QUICKSTART)
+    cfg = apply_overrides(cfg, {"data.dir": name, "sweep.space": {"data.dir": {"choice": [name, "x"]}}})
+    html = baseline_note(cfg, parse_space(cfg), [])
+    assert "<script>" not in html and "dir=&lt;script&gt;alert(1)&lt;/script&gt;" in html
 
 
 def test_page_says_why_plots_are_missing(tmp_path: Path) -> None:

@@ -273,7 +273,7 @@ def baseline_note(cfg: RayExperiment, space: Space, trials: list[dict[str, Any]]
         else f"{k.rpartition('.')[2]}={v}"
         for k, v in base.items()
     )
-    return f"<p>{same} trial(s) ran with the baseline config ({values}).</p>"
+    return f"<p>{same} trial(s) ran with the baseline config ({escape(values)}).</p>"
 
 
 def _text(value: Any) -> str:
