@@ -455,6 +455,20 @@ def test_local_run_resumes_and_refuses_another_shape(tiny_data, tmp_path, capsys
         train_local(other)
 
 
+def test_rerunning_a_complete_run_says_so_and_writes_nothing(tiny_data, tmp_path, capsys):
+    cfg = make_config(tiny_data, tmp_path, "train.max_steps=8")
+    first = train_local(cfg)
+    run = tmp_path / "run"
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    again = train_local(cfg)
+    out = capsys.readouterr().out
+    assert f"{run} is a complete run (step 8/8, val loss {first['val_loss']:.4f}): nothing to do" in out
+    assert "compile" not in out and "resumed from" not in out
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    assert again["val_loss"] == first["val_loss"] and again["step"] == 8
+
+
 def test_a_rerun_with_another_schedule_is_refused_unless_extended(tiny_data, tmp_path):
     train_local(make_config(tiny_data, tmp_path, "train.max_steps=8"))
     last = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
