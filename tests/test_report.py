@@ -4,6 +4,7 @@ trial failed), and a folder that is not one."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from experiments.config import load_experiment
 from experiments.report.common import CommonBudget, analysis_study, common_budget
 from experiments.report.data import best_trial, trial_rows
 from experiments.report.importance import MIN_TRIALS, importances, too_few
+from experiments.report.interactive import parallel_figure
 from experiments.report.page import baseline_note, report_page
 from experiments.results import print_table
 from experiments.space import apply_overrides, parse_space
@@ -224,6 +226,17 @@ def test_analysis_study_values_trials_at_the_common_budget() -> None:
         assert ("weight_decay" in frozen.params) is not config["optim.weight_decay_is_zero"]
 
 
+def test_parallel_coordinates_label_a_chosen_zero_0_not_none() -> None:
+    space = parse_space(load_experiment(QUICKSTART))
+    trials, curves = _made_up_sweep(8)  # trial 3 and 7 chose weight decay 0
+    common = common_budget(trials, curves)
+    fig = parallel_figure(analysis_study(common, trials, space), common)
+    labels = [note.text for note in fig.layout.annotations]
+    assert "None" not in labels and "0" in labels
+    hover = [value for trace in fig.data if trace.customdata is not None for _, value in trace.customdata]
+    assert "None" not in hover and hover.count("0") == 2
+
+
 def test_importances_come_with_intervals_or_say_they_cannot() -> None:
     space = parse_space(load_experiment(QUICKSTART))
     trials, curves = _made_up_sweep(40)
@@ -414,8 +427,12 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
 
     page = (out / "report.html").read_text()
     check_page(page, out, PLOTS)
-    for name in (*PNGS, "noise.png"):
-        assert f"<a href='{name}'>" in page
+    for name in (*PNGS, "noise.png"):  # held in the page: it is mailed alone
+        assert base64.b64encode((out / name).read_bytes()).decode() in page, name
+    assert "<a href='curves.png'>" not in page
+    checkpoint = rows[0]["checkpoint"]  # cut to its column's width (CSS), the full path on hover
+    assert f"<td class='path' title='{checkpoint}'>{Path(checkpoint).name}</td>" in page
+    assert "td.path{max-width:16em;overflow:hidden;text-overflow:ellipsis" in page
     for r in rows:  # each trial links to its own folder
         assert (
             f"/{finished_sweep.name}/{_trial_dir(finished_sweep, r['trial_id'])}/'>{r['trial_id']}</a>"
