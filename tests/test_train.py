@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import stat
@@ -176,10 +177,33 @@ def fake_cpu_matmul(monkeypatch, tmp_path, bf16_speedup: float) -> list[torch.dt
     monkeypatch.setattr(mfu_mod, "_measured", {})
     measured: list[torch.dtype] = []
     rates = {torch.float32: 1e11, torch.bfloat16: bf16_speedup * 1e11}
-    monkeypatch.setattr(
-        mfu_mod, "_measure_matmul_flops", lambda dtype: measured.append(dtype) or rates[dtype]
-    )
+    monkeypatch.setattr(mfu_mod, "_sample_peak", lambda dtype: measured.append(dtype) or rates[dtype])
     return measured
+
+
+@pytest.mark.parametrize("remeasured", [1e13, 1e6])
+def test_an_mfu_over_100_percent_remeasures_the_peak_or_says_n_a(
+    tiny_data, tmp_path, monkeypatch, remeasured
+):
+    """A cached fp32 peak of 1 MFLOP/s (measured on a busy machine) makes any run's MFU
+    impossible: the trainer measures again; a sane figure replaces it, else MFU is n/a."""
+    fake_cpu_matmul(monkeypatch, tmp_path, 2.0)
+    (tmp_path / "cache").mkdir()
+    key = mfu_mod._cpu_key(torch.get_num_threads(), "fp32")
+    (tmp_path / "cache" / "cpu_peak_flops.json").write_text(json.dumps({key: 1e6}))
+    monkeypatch.setattr(mfu_mod, "_sample_peak", lambda dtype: remeasured)
+    logs: list[str] = []
+    trainer = Trainer(make_config(tiny_data, tmp_path, "train.precision=fp32"), log=logs.append)
+    trainer.fit()
+    progress = [line for line in logs if line.startswith("step ")]
+    assert progress and not any(re.search(r"MFU \d{3,}", line) for line in progress), progress
+    assert sum("so that peak was too low: measured again" in line for line in logs) == 1
+    if remeasured == 1e13:
+        assert all(re.search(r"MFU \d{1,2}\.\d%", line) for line in progress), progress
+        assert json.loads((tmp_path / "cache" / "cpu_peak_flops.json").read_text())[key] == 1e13
+    else:
+        assert sum("that peak is wrong, so MFU is n/a for this run" in line for line in logs) == 1
+        assert all("MFU n/a" in line for line in progress), progress
 
 
 @pytest.mark.parametrize(
@@ -201,7 +225,7 @@ def test_auto_precision_on_cpu_follows_the_measured_bf16_speedup(
     assert sorted(measured, key=str) == [torch.bfloat16, torch.float32]  # each measured once
     # MFU is against the peak of the precision chosen.
     assert trainer.peak_flops == (speedup * 1e11 if precision == "bf16" else 1e11)
-    assert f"{precision} matmul (measured" in trainer.peak_source
+    assert f"{precision} matmul (best of 3 samples" in trainer.peak_source
     trainer.fit(stop_at_step=1)
     assert f"| precision {precision} ({reason}) | MFU peak " in logs[1]  # after the run length
     # Another process on this machine: the cached measurement decides, nothing is measured again.
