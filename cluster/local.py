@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,31 @@ USAGE = (
 
 class ClusterError(Exception):
     """One line for the user; exit status 1."""
+
+
+class UsageError(ClusterError):
+    """Bad input: one line for the user; exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (exit 2) rather than the usage text and the line."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def port_number(text: str) -> int:
+    """A TCP port; Ray would take 99999 modulo 65536 and listen elsewhere than it prints."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1-65535)")
+    return int(text)
+
+
+def at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
+    return int(text)
 
 
 # ---------------------------------------------------------------- state
@@ -444,16 +470,16 @@ def cmd_up(args: argparse.Namespace, root: Path) -> int:
     if args.nodes is None:
         args.nodes = 0 if args.autoscale else 1
     if args.nodes < 0 or args.cpus_per_node < 1 or args.object_store_mb < 80:
-        raise ClusterError("--nodes must be >= 0, --cpus-per-node >= 1, --object-store-mb >= 80")
-    if args.autoscale is not None and (args.autoscale < 1 or args.nodes or args.idle_timeout_s <= 0):
-        raise ClusterError("--autoscale MAX needs MAX >= 1, no --nodes and --idle-timeout-s > 0")
+        raise UsageError("--nodes must be >= 0, --cpus-per-node >= 1, --object-store-mb >= 80")
+    if args.autoscale is not None and (args.nodes or args.idle_timeout_s <= 0):
+        raise UsageError("--autoscale MAX needs no --nodes and --idle-timeout-s > 0")
     head_cpus = args.cpus_per_node if args.head_cpus is None else args.head_cpus
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o700)
     token_path = root / TOKEN_FILE
     write_token(token_path)
     if args.port and listening(args.port):
-        raise ClusterError(f"port {args.port} is in use; pick another --port or leave it out")
+        raise UsageError(f"port {args.port} is in use; pick another --port or leave it out")
     port = args.port or free_ports(1, set())[0]
     dashboard, client = free_ports(2, {port})
     temp_root = tempfile.mkdtemp(prefix="gptrun-ray-")  # short: Unix socket paths <= 107 bytes
@@ -572,7 +598,7 @@ def cmd_kill_node(args: argparse.Namespace, root: Path) -> int:
     state = require_state(root)
     node = find_node(state, args.name)
     if node["head"]:
-        raise ClusterError("kill-node is for worker nodes; `down` stops the head")
+        raise UsageError("kill-node is for worker nodes; `down` stops the head")
     pids = session_pids(node)
     signal_all(pids, signal.SIGKILL)
     left = wait_gone(node, 5.0)
@@ -622,7 +648,7 @@ def find_node(state: dict[str, Any], name: str) -> dict[str, Any]:
     for node in state["nodes"]:
         if node["name"] == name:
             return node
-    raise ClusterError(f"no node {name!r}; nodes: {', '.join(n['name'] for n in state['nodes'])}")
+    raise UsageError(f"no node {name!r}; nodes: {', '.join(n['name'] for n in state['nodes'])}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -630,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--dir", default=None, help="state folder (default: $GPTRUN_CLUSTER_DIR or ./.cluster)"
     )
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="cluster/local.sh",
         description="A multi-node Ray cluster on this machine (token auth, dashboard on 127.0.0.1).",
     )
@@ -643,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--autoscale",
-        type=int,
+        type=at_least_one,
         default=None,
         metavar="MAX",
         help="an autoscaling cluster: no worker node at first, up to MAX added by Ray's autoscaler "
@@ -661,7 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="logical GPUs per node (0; on one machine the nodes share the devices)",
     )
-    up.add_argument("--port", type=int, default=None, help="GCS port (default: a free one)")
+    up.add_argument("--port", type=port_number, default=None, help="GCS port (default: a free one)")
     up.add_argument("--object-store-mb", type=int, default=256, help="object store per node")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait per step")
     sub.add_parser("status", parents=[common], help="address, nodes and resources")
@@ -694,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args, state_dir(args.dir))
     except ClusterError as err:
         print(f"cluster/local.sh {args.command}: error: {err}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, UsageError) else 1
     except KeyboardInterrupt:
         print(f"cluster/local.sh {args.command}: interrupted", file=sys.stderr)
         return 130

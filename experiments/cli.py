@@ -490,6 +490,7 @@ def _transfer_command(sub: Subcommands) -> None:
     p.add_argument("sweep", help="the sweep's experiment folder, e.g. sweeps/proxy")
     p.add_argument("--to", required=True, metavar="TARGET.toml", help="the wide model's experiment TOML")
     p.add_argument("--out", default=None, help="the config to write (default: SWEEP/transfer-TARGET.toml)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument(
         "--horizon-exponent",
         type=float,
@@ -503,7 +504,9 @@ def _transfer_command(sub: Subcommands) -> None:
 def _transfer(args: argparse.Namespace) -> int:
     from experiments.transfer import transfer_cli
 
-    return transfer_cli(args.sweep, args.to, out=args.out, horizon_exponent=args.horizon_exponent)
+    return transfer_cli(
+        args.sweep, args.to, out=args.out, horizon_exponent=args.horizon_exponent, force=args.force
+    )
 
 
 # Each subcommand's options, next to its handler, in the order `gptrun --help` lists them.

@@ -5,7 +5,8 @@ for tens of seconds or wait forever).
 Storage is checked in two steps so that nothing is written before the cluster answers:
 `check_storage` (pure: resolves and validates, creates nothing) before `ray_session`, then
 `create_storage` inside it; on a multi-node cluster `verify_shared_storage` checks that every
-node sees a local path (NFS) before any trial writes there."""
+node sees a local path (NFS) before any trial writes there, and `verify_data_on_nodes` that every
+node that runs trials has the prepared data.dir."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs
 
@@ -66,6 +68,22 @@ def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get("RAY_ADDRESS") or None
 
 
+# Settings gptrun puts in the driver's os.environ for Ray Train (here and in `experiments.cli`).
+# Ray Train reads them in the process that calls `fit`, a DDP trial's Tune actor, and passes them
+# on to its controller and workers; on a cluster that actor has its raylet's environment, not the
+# driver's, so the job's runtime_env carries them to every process of the job.
+TRAIN_SETTINGS = (
+    "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS",
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
+    "RAY_TRAIN_ENABLE_PRINT_PATCH",
+)
+
+
+def job_runtime_env() -> dict[str, Any]:
+    """The runtime_env of gptrun's Ray job: the Ray Train settings set in this process."""
+    return {"env_vars": {name: os.environ[name] for name in TRAIN_SETTINGS if name in os.environ}}
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None = None, extra_local_cpus: int = 0) -> Iterator[None]:
     """`ray.init` for the duration of a command; always shut down what we started.
@@ -92,6 +110,7 @@ def ray_session(address: str | None = None, extra_local_cpus: int = 0) -> Iterat
         if address is None:  # "local": never attach to another `ray start` on this machine
             ray.init(
                 address="local",
+                runtime_env=job_runtime_env(),
                 num_cpus=(os.cpu_count() or 1) + extra_local_cpus,
                 # The dashboard serves Ray's state API, which Ray Train's placement-group
                 # cleaner needs: without it a trial that ASHA stops leaks its CPUs/GPUs.
@@ -102,7 +121,7 @@ def ray_session(address: str | None = None, extra_local_cpus: int = 0) -> Iterat
                 log_to_driver=True,
             )
         else:
-            ray.init(address=address, logging_level="warning")
+            ray.init(address=address, logging_level="warning", runtime_env=job_runtime_env())
     except ConnectionError as err:
         raise UserError(
             f"could not connect to a Ray cluster at {address!r} ({err}); start one "
@@ -332,7 +351,6 @@ def verify_shared_storage(storage: str, timeout: float | None = None) -> None:
     that checkpoint to their own disks and cannot be resumed elsewhere. Needs an initialized
     Ray session and an existing `storage` folder; URIs and one-node clusters are skipped."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if not is_local(storage):
         return
@@ -345,38 +363,85 @@ def verify_shared_storage(storage: str, timeout: float | None = None) -> None:
     marker = folder / f".gptrun-shared-check-{nonce}"
     marker.write_text(nonce)
     try:
-        reader = ray.remote(num_cpus=0, max_retries=0)(_read_marker)
-        refs = {
-            reader.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
-            ).remote(str(marker)): n
-            for n in nodes
-        }
-        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
-        for ref in pending:  # a node that does not answer must not keep a task queued for it
-            ray.cancel(ref, force=True)
-        blind = []
-        for ref in ready:
-            try:
-                seen = ray.get(ref)
-            except Exception:  # the node died meanwhile: the sweep's fault tolerance handles it
-                continue
-            if seen != nonce:
-                blind.append(refs[ref])
+        answers, pending = _ask_each_node(_read_marker, str(marker), nodes, timeout)
     finally:
         marker.unlink(missing_ok=True)
+    blind = [node for node, seen in answers if seen != nonce]
     if blind:
-        names = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in blind)
         raise UserError(
-            f"--storage {storage} is not shared: node(s) {names} do not see it; use "
+            f"--storage {storage} is not shared: node(s) {_node_names(blind)} do not see it; use "
             "a folder every node mounts at the same path (NFS) or an s3:// / gs:// "
             "URI (`gptrun train`)"
         )
     if pending:
         print(
-            f"warning: {len(pending)} node(s) did not answer the shared-storage check within "
+            f"warning: {pending} node(s) did not answer the shared-storage check within "
             f"{timeout:g}s; not checked"
         )
+
+
+def verify_data_on_nodes(data_dir: str, timeout: float | None = None) -> None:
+    """Check that every alive node that can run a trial (one with CPUs) has the prepared data
+    folder `data_dir` whole, at the same path: the driver checked its own copy only. One line
+    naming the nodes without it, instead of trials that fail there and are retried. Needs an
+    initialized Ray session; skipped where the only such node is this one."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+    here = ray.get_runtime_context().get_node_id()
+    if all(n["NodeID"] == here for n in nodes):
+        return
+    timeout = resource_wait_s() if timeout is None else timeout
+    answers, pending = _ask_each_node(_data_problem, data_dir, nodes, timeout)
+    missing = [(node, problem) for node, problem in answers if problem]
+    if missing:
+        raise UserError(
+            f"data.dir {data_dir} is not usable on node(s) {_node_names([n for n, _ in missing])} "
+            f"({missing[0][1]}); put the prepared folder at the same path on every node that runs "
+            "trials (a shared mount, or a copy)"
+        )
+    if pending:
+        print(f"warning: {pending} node(s) did not answer the data check within {timeout:g}s; not checked")
+
+
+def _ask_each_node(fn: Any, arg: str, nodes: list[dict[str, Any]], timeout: float) -> tuple[list, int]:
+    """`fn(arg)` in a zero-CPU task pinned to each of `nodes`: (node, answer) for those that
+    answered within `timeout` seconds, and how many did not (their tasks are cancelled)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    refs = {
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+            arg
+        ): n
+        for n in nodes
+    }
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+    for ref in pending:  # a node that does not answer must not keep a task queued for it
+        ray.cancel(ref, force=True)
+    answers = []
+    for ref in ready:
+        try:
+            answers.append((refs[ref], ray.get(ref)))
+        except Exception:  # the node died meanwhile: the sweep's fault tolerance handles it
+            continue
+    return answers, len(pending)
+
+
+def _node_names(nodes: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in nodes)
+
+
+def _data_problem(data_dir: str) -> str:
+    """'' where the prepared folder opens whole on this node, else what is wrong with it."""
+    from gptcore.chat_data import open_prepared
+
+    try:
+        open_prepared(data_dir)
+    except (UserError, OSError, ValueError) as err:
+        return str(err)
+    return ""
 
 
 def _read_marker(path: str) -> str:

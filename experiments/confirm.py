@@ -30,7 +30,14 @@ from experiments.autoscale import room_for
 from experiments.budget import local_extra_cpus, trial_bundles
 from experiments.cluster import ray_session
 from experiments.config import RayExperiment, load_experiment
-from experiments.experiment import open_experiment, remove_experiment, save, start_experiment
+from experiments.experiment import (
+    open_experiment,
+    read_meta,
+    remove_experiment,
+    save,
+    saved_meta,
+    start_experiment,
+)
 from experiments.noise import NOISE_FILE, measure_noise, print_noise
 from experiments.outcome import ranked
 from experiments.results import load_trials
@@ -96,7 +103,7 @@ def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart:
     by_id = {t["trial_id"]: t for t in sweep_trials}
     candidates = Candidates({tid: space.overrides(by_id[tid]["config"]) for tid in plan["candidates"]})
     conf_dir = exp_dir / CONFIRM_DIR
-    meta = json.loads((exp_dir / "sweep.json").read_text())
+    meta = read_meta(exp_dir)
     width = meta["max_concurrent"]
     restore = _can_restore(conf_dir, plan, restart)
     n_runs = len(plan["candidates"]) * len(plan["seeds"])
@@ -151,7 +158,7 @@ def _can_restore(conf_dir: Path, plan: dict[str, Any], restart: bool) -> bool:
 
     if not conf_dir.exists():
         return False
-    saved = json.loads((conf_dir / "sweep.json").read_text()) if (conf_dir / "sweep.json").exists() else {}
+    saved = saved_meta(conf_dir)
     same = {k: saved.get(k) for k in plan} == plan
     if same and not restart and tune.Tuner.can_restore(remote.location(conf_dir)):
         return True

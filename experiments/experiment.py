@@ -81,7 +81,25 @@ def load_base(exp_dir: Path) -> tuple[RayExperiment, dict[str, Any]]:
             f"{exp_dir} is not a gptrun sweep folder (no {CONFIG_FILE} / {META_FILE});"
             " pass the folder that `gptrun sweep` printed"
         )
-    return load_experiment(exp_dir / CONFIG_FILE), json.loads((exp_dir / META_FILE).read_text())
+    return load_experiment(exp_dir / CONFIG_FILE), read_meta(exp_dir)
+
+
+def read_meta(exp_dir: Path) -> dict[str, Any]:
+    """The experiment's `sweep.json`; one line if it is not a JSON object (a damaged folder)."""
+    return parse_meta((exp_dir / META_FILE).read_text(), exp_dir / META_FILE)
+
+
+def parse_meta(text: str, where: Path | str) -> dict[str, Any]:
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as err:
+        meta = err
+    if not isinstance(meta, dict):
+        raise UserError(
+            f"{where} is damaged (not a JSON object: {meta}); restore it from a copy of the sweep, "
+            "or start the sweep again with --restart"
+        )
+    return meta
 
 
 def saved_meta(exp_dir: Path, uri: str | None = None) -> dict[str, Any]:
@@ -89,7 +107,7 @@ def saved_meta(exp_dir: Path, uri: str | None = None) -> dict[str, Any]:
     text = remote.read_text(f"{uri}/{META_FILE}") if uri else None
     if uri is None and (exp_dir / META_FILE).exists():
         text = (exp_dir / META_FILE).read_text()
-    return json.loads(text) if text else {}
+    return parse_meta(text, f"{uri}/{META_FILE}" if uri else exp_dir / META_FILE) if text else {}
 
 
 def study_url(cfg: RayExperiment, exp_dir: Path) -> str:

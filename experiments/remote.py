@@ -19,15 +19,15 @@ A missing bucket, refused credentials or an unreachable endpoint are one line be
 
 from __future__ import annotations
 
-import concurrent.futures
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 from gptcore.errors import UserError
 
 MARKER = ".gptrun-remote"
-CHECK_TIMEOUT_S = 30.0  # pyarrow's S3 client retries a dead endpoint for ~6 s, a slow one longer
+CHECK_TIMEOUT_S = 30.0  # the probe's outer bound; its own bounds (`_bounded`) end it sooner
 # gptrun's own files of an experiment (and of its confirm run): what a working copy pulls.
 OWN_FILES = ("gptrun.toml", "sweep.json", "events.jsonl", "best.toml", "noise.json")
 SCHEMES = {"gcs": "gs"}  # pyarrow's filesystem type name -> the URI scheme users write
@@ -50,30 +50,78 @@ def filesystem(uri: str) -> tuple[Any, str]:
 
 def check_bucket(uri: str) -> None:
     """One line, before Ray starts, when the bucket of `uri` does not exist, the credentials are
-    missing or refused, or the endpoint does not answer (bounded by CHECK_TIMEOUT_S)."""
+    missing or refused, or the endpoint does not answer. The probe runs on a copy of the
+    filesystem with its own bounds (`_bounded`): unbounded, a gs:// probe without credentials
+    retries for minutes. A daemon thread holds it, so that nothing waits for it at exit (an
+    executor's thread is joined there) and Ctrl-C ends the wait."""
     import pyarrow.fs
 
     fs, path = filesystem(uri)
     bucket = path.split("/", 1)[0]
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
-        info = pool.submit(fs.get_file_info, bucket).result(timeout=CHECK_TIMEOUT_S)
-    except concurrent.futures.TimeoutError:
+    scheme = SCHEMES.get(fs.type_name, fs.type_name)
+    outcome: list[Any] = []
+    probe = threading.Thread(target=_probe, args=(_bounded(fs), bucket, outcome), daemon=True)
+    probe.start()
+    probe.join(CHECK_TIMEOUT_S)
+    if not outcome:
         raise UserError(
-            f"{uri}: the object store did not answer within {CHECK_TIMEOUT_S:g}s; check the "
-            "endpoint (AWS_ENDPOINT_URL) and the network"
-        ) from None
-    except OSError as err:
-        raise UserError(f"{uri}: {_storage_error(err)}") from None
-    finally:
-        pool.shutdown(wait=False)
-    if info.type == pyarrow.fs.FileType.NotFound:
+            f"{uri}: the object store did not answer within {CHECK_TIMEOUT_S:g}s; {_fixes(scheme)}"
+        )
+    (result,) = outcome
+    if isinstance(result, OSError):
+        raise UserError(f"{uri}: {_storage_error(result, scheme)}")
+    if result.type == pyarrow.fs.FileType.NotFound:
         raise UserError(f"{uri}: bucket {bucket!r} does not exist; create it first or fix the URI")
 
 
-def _storage_error(err: OSError) -> str:
+PROBE_TIMEOUT_S = 8.0  # each S3 connect and request; GCS's retries in all
+PROBE_ATTEMPTS = 2  # S3 requests, the first included
+
+
+def _bounded(fs: Any) -> Any:
+    """`fs` with the same options and bounded waits: S3's connect and request timeouts and
+    attempts, GCS's retry time limit. Other filesystems as they are."""
+    import datetime
+
+    import pyarrow.fs
+
+    rebuild, (options,) = fs.__reduce__()
+    if fs.type_name == "s3":
+        options.update(connect_timeout=PROBE_TIMEOUT_S, request_timeout=PROBE_TIMEOUT_S)
+        options["retry_strategy"] = pyarrow.fs.AwsStandardS3RetryStrategy(max_attempts=PROBE_ATTEMPTS)
+    elif fs.type_name == "gcs":
+        options["retry_time_limit"] = datetime.timedelta(seconds=PROBE_TIMEOUT_S)
+    else:
+        return fs
+    return rebuild(options)
+
+
+def _probe(fs: Any, bucket: str, outcome: list[Any]) -> None:
+    try:
+        outcome.append(fs.get_file_info(bucket))
+    except OSError as err:
+        outcome.append(err)
+
+
+def _fixes(scheme: str) -> str:
+    if scheme == "gs":
+        return (
+            "check the network and the credentials (GOOGLE_APPLICATION_CREDENTIALS, or "
+            "`gcloud auth application-default login`)"
+        )
+    return "check the endpoint (AWS_ENDPOINT_URL) and the network"
+
+
+def _storage_error(err: OSError, scheme: str) -> str:
     text = _first_line(err)
     lower = text.lower()
+    if scheme == "gs":
+        if any(k in lower for k in ("oauth2", "credential", "access token", "permission", "403", "401")):
+            return (
+                f"no usable Google credentials ({text}); set GOOGLE_APPLICATION_CREDENTIALS to a "
+                "service-account key file, or run `gcloud auth application-default login`"
+            )
+        return f"{text}; {_fixes(scheme)}"
     if any(k in lower for k in ("access_denied", "accessdenied", "403", "invalidaccesskeyid", "signature")):
         return f"access refused ({text}); check the credentials (AWS_ACCESS_KEY_ID / a profile / the role)"
     if "credential" in lower:

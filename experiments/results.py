@@ -6,6 +6,7 @@ Works on finished, running and interrupted sweeps alike (it reads files, it star
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,13 @@ def load_analysis(exp_dir: Path) -> Any:
             f"{where} is not a gptrun sweep folder (no gptrun.toml / Tune state); "
             "pass the folder that `gptrun sweep` printed"
         )
-    return ExperimentAnalysis(where)
+    try:
+        return ExperimentAnalysis(where)
+    except (ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as err:
+        raise UserError(
+            f"Tune's saved state in {where} cannot be read ({type(err).__name__}: {err}); the "
+            "folder is damaged: restore it from a copy, or start the sweep again with --restart"
+        ) from None
 
 
 def tune_status(tune_status: str, last: dict[str, Any], max_tokens: float, asha_stopped: bool) -> str:

@@ -196,9 +196,9 @@ def _parse_param(key: str, spec: dict[str, Any], current: Any) -> Param:
     if not (
         isinstance(value, list)
         and len(value) == 2
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
     ):
-        raise UserError(f"sweep.space.{key}: {kind} needs [low, high], got {value!r}")
+        raise UserError(f"sweep.space.{key}: {kind} needs [low, high] (finite numbers), got {value!r}")
     low, high = float(value[0]), float(value[1])
     if not low < high:
         raise UserError(

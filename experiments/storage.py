@@ -44,23 +44,32 @@ def dashboard_command(url: str) -> str:
     return command
 
 
-def rdb_storage(url: str) -> Any:
-    """An Optuna RDB storage, or one line naming what is wrong with the URL or the server."""
+def rdb_storage(url: str, read_only: bool = False) -> Any:
+    """An Optuna RDB storage, or one line naming what is wrong with the URL or the server.
+
+    `read_only` is for a storage gptrun only reads (a warm start's source): Optuna creates no
+    tables in it, and a sqlite file is opened read-only, so a damaged or empty source is refused
+    as it is, not repaired into an empty study."""
     import optuna
     import sqlalchemy.exc
     from sqlalchemy.engine import make_url
 
     shown = shown_url(url)
     try:
-        backend = make_url(url).get_backend_name()
+        parsed = make_url(url)
+        backend = parsed.get_backend_name()
     except (sqlalchemy.exc.ArgumentError, ValueError) as err:
         raise UserError(
             f"sweep.storage_url {shown}: not a database URL ({_first_line(err)}); write it as "
             "postgresql://USER@HOST:5432/DB or sqlite:////abs/path/optuna.db"
         ) from None
-    kwargs = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}} if backend == "postgresql" else {}
+    kwargs: dict[str, Any] = {}
+    if backend == "postgresql":
+        kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
+    elif backend == "sqlite" and read_only and parsed.database:
+        url = f"sqlite:///file:{parsed.database}?mode=ro&uri=true"
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_table_creation=read_only)
     except ImportError as err:  # Optuna wraps the driver's ModuleNotFoundError
         name = getattr(err.__cause__, "name", None) or err.name or "its driver"
         fix = "pip install 'gptrun[postgres]'" if backend == "postgresql" else f"pip install {name}"

@@ -27,6 +27,7 @@ from experiments.cluster import (
     check_storage,
     create_storage,
     local_resources,
+    verify_data_on_nodes,
     verify_shared_storage,
 )
 from experiments.config import RayExperiment, checked_for_workers, load_experiment
@@ -124,6 +125,7 @@ def run_sweep(plan: SweepPlan) -> int:
         parent = plan.location.rpartition("/")[0]
         create_storage(parent)
         verify_shared_storage(parent)  # every node must see the trials' checkpoints
+        verify_data_on_nodes(cfg.data.dir)  # and every node that runs trials their data
         if plan.restart or plan.uri:  # every check passed: the old experiment may go (and a
             remove_experiment(exp_dir, plan.uri)  # working copy left from a deleted URI's)
         if plan.restart and cfg.sweep.storage_url:

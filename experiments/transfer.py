@@ -28,7 +28,7 @@ from experiments.outcome import best_trial
 from experiments.results import best_config, fmt_value, load_trials
 from experiments.space import Space, apply_overrides, config_value, parse_space
 from experiments.table import print_columns
-from gptcore.atomic import write_text_atomic
+from gptcore.atomic import check_writable_dir, write_text_atomic
 from gptcore.config import run_budget
 from gptcore.errors import UserError
 
@@ -48,7 +48,9 @@ SAME_OPTIM = (
 D_FF_TOLERANCE = 0.1  # d_ff / d_model may differ this much (llama's derived d_ff rounds to 64)
 
 
-def transfer_cli(sweep: str, target: str, out: str | None, horizon_exponent: float) -> int:
+def transfer_cli(
+    sweep: str, target: str, out: str | None, horizon_exponent: float, force: bool = False
+) -> int:
     """Check, build and write the target's config; print proxy and target side by side."""
     exp_dir = Path(sweep)
     base, _ = load_base(exp_dir)  # UserError for a folder that is not a sweep
@@ -73,14 +75,25 @@ def transfer_cli(sweep: str, target: str, out: str | None, horizon_exponent: flo
     values["optim.lr"] = proxy.optim.lr * horizon
     values["model.mup_base_width"] = proxy.model.mup_base_width
     values["model.mup_output_mult"] = proxy.model.mup_output_mult
+    # Absolute, as in best.toml: the printed `gptrun train OUT` then works from any folder.
+    values["data.dir"] = str(Path(target_cfg.data.dir).expanduser().resolve())
     result = apply_overrides(target_cfg, values)
     out_path = Path(out) if out else exp_dir / f"transfer-{Path(target).stem}.toml"
-    if out_path.is_dir():
-        raise UserError(f"--out {out_path} is a folder; give a .toml file name")
+    check_out_file(out_path, force)
     _print_side_by_side(proxy, result, best, proxy_tokens, target_tokens, horizon, horizon_exponent, space)
     write_text_atomic(out_path, result.to_toml())
     print(f"wrote {out_path}; train it: gptrun train {out_path}")
     return 0
+
+
+def check_out_file(path: Path, force: bool) -> None:
+    """Refuse, before anything is printed or written, an --out that is a folder, an existing file
+    (without --force) or a path in a folder that cannot be written."""
+    if path.is_dir():
+        raise UserError(f"--out {path} is a folder; give a .toml file name")
+    if path.exists() and not force:
+        raise UserError(f"--out {path} exists; pass --force to replace it, or give a new file name")
+    check_writable_dir(path.parent, "--out's folder")
 
 
 def carried_keys(space: Space) -> list[str]:

@@ -67,13 +67,15 @@ def load_history(cfg: RayExperiment, space: Space, storage_dir: Path) -> History
             "warm-start only from a sweep with the same [sweep.space]"
         )
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        study = optuna.load_study(study_name=source.study, storage=rdb_storage(source.url))
+    try:  # read-only: the source is another sweep's, and a warm start only reads it
+        study = optuna.load_study(study_name=source.study, storage=rdb_storage(source.url, read_only=True))
     except KeyError:  # a renamed folder: its study keeps the name it was created with
         raise UserError(
             f"sweep.warm_start: {shown_url(source.url)} holds no study named {source.study!r} "
             "(was the folder renamed?); warm-start from the folder under its sweep's name"
         ) from None
+    except UserError as err:
+        raise UserError(f"sweep.warm_start: {source.label}'s study cannot be read: {err}") from None
     finished = study.get_trials(
         deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     )
@@ -149,9 +151,11 @@ def _find(value: str, storage_dir: Path, cfg: RayExperiment) -> _Source:
             continue
         folder = folder.resolve()
         theirs, meta = load_base(folder)
-        if not theirs.sweep.storage_url and not (folder / STUDY_FILE).exists():
+        study_file = folder / STUDY_FILE
+        if not theirs.sweep.storage_url and (not study_file.exists() or not study_file.stat().st_size):
             raise UserError(
-                f"sweep.warm_start: {folder} has no Optuna study (no trial started); let it run first"
+                f"sweep.warm_start: {folder} has no Optuna study (no trial started, or its "
+                f"{STUDY_FILE} is empty); let it run first"
             )
         record = parse_space(theirs).record()
         return _Source(str(folder), study_url(theirs, folder), folder.name, record, meta.get("trial_tokens"))

@@ -8,6 +8,8 @@ before the rename, and the parent folder after it, which makes the rename itself
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import secrets
 import shutil
@@ -16,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gptcore.errors import UserError
+
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # Linux's <fcntl.h> and <linux/fs.h>
 
 
 @contextlib.contextmanager
@@ -39,26 +43,45 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp folder beside `path`; on success its contents are fsynced and it replaces
-    `path` (then the parent folder is fsynced); on error it is removed. The folder gets the
-    permissions `mkdir` would give it (mkdtemp's are owner-only), so others can read what is
-    shared (a data folder on a cluster, an exported model)."""
+    `path` (then the parent folder is fsynced); on error it is removed. An existing `path` is
+    swapped with the new folder in one step where the system can (Linux), else renamed to
+    `.NAME.old` first, which the next call restores if a kill fell between the two renames.
+    The folder gets the permissions `mkdir` would give it (mkdtemp's are owner-only), so others
+    can read what is shared (a data folder on a cluster, an exported model)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.with_name(f".{path.name}.old")
+    if old.exists() and not path.exists():  # a run killed between the two renames below
+        os.replace(old, path)
     tmp = _new_folder(path.parent, f".{path.name}.", ".tmp")
     try:
         yield tmp
         fsync_tree(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
+        if not path.exists():
+            os.replace(tmp, path)
+        elif not _exchange(tmp, path):  # no atomic swap here: two renames, `old` bridging them
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
         fsync_path(path.parent)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # after a swap, the previous version
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux's renameat2 with RENAME_EXCHANGE), so that `b`
+    names a whole folder at every moment, whatever kills the process; False where the system or
+    the filesystem has no such call."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def _new_folder(parent: Path, prefix: str, suffix: str) -> Path:

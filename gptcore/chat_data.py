@@ -217,9 +217,16 @@ def prepare_sft(
         splits = {split: writer.close() for split, writer in writers.items()}
         for split, counts in splits.items():
             if not counts["conversations"]:
+                n = len(overlong)
+                skipped = (
+                    f", after skipping {n:,} line{'s' * (n != 1)} over {MAX_LINE_BYTES >> 20} MiB"
+                    if n
+                    else ""
+                )
                 raise UserError(
-                    f"{source.get('inputs') or source.get('corpus')}: too few conversations for a "
-                    f"{split} split (every {every}th goes to val); give more conversations"
+                    f"{', '.join(source.get('inputs', [])) or source.get('corpus')}: too few "
+                    f"conversations for a {split} split (every {every}th goes to val){skipped}; give "
+                    "more conversations" + (" or split the long ones" if n else "")
                 )
         meta = {
             "format_version": FORMAT_VERSION,

@@ -11,13 +11,13 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import tomllib
 import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import tomli_w
-import tomllib
 
 from gptcore.data import VOCAB_LIMIT
 from gptcore.device import check_device_name
@@ -415,6 +415,8 @@ def _coerce(key: str, want: Any, value: Any) -> Any:
             return int(value)
     elif want is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML's inf and nan: no key means them
+                raise UserError(f"config key {key}={value} must be a finite number")
             return float(value)
     elif want is str:
         if isinstance(value, str):

@@ -1,6 +1,7 @@
 """`gptrun train --local`: one run in this process, checkpoints in `train.out/checkpoints/`.
 
-Rerunning the same command resumes from `last.pt`; Ctrl-C writes a checkpoint (of the last
+Rerunning the same command resumes from `last.pt` (or, for a run that is complete, says so and
+stops); Ctrl-C writes a checkpoint (of the last
 completed step) before it exits.
 """
 
@@ -49,7 +50,17 @@ def train_local(cfg: ExperimentConfig) -> dict[str, float]:
     trainer = Trainer(cfg)
     last = out / "checkpoints" / "last.pt"
     if last.exists():
-        trainer.load_state_dict(load_checkpoint(last))
+        state = load_checkpoint(last)
+        trainer.load_state_dict(state)
+        if trainer.step >= trainer.total_steps:  # nothing to train: no compile, no new checkpoint
+            val = state["metrics"].get("val_loss")
+            print(
+                f"{out} is a complete run (step {trainer.step}/{trainer.total_steps}"
+                + (f", val loss {val:.4f}" if val is not None else "")
+                + f"): nothing to do; checkpoint {last}. To train longer, raise train.max_steps "
+                "or train.max_tokens with train.extend=true; for a new run, give another train.out"
+            )
+            return {**state["metrics"], "status": "completed"}
         print(f"resumed from {last} at step {trainer.step}/{trainer.total_steps}")
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "config.toml", cfg.to_toml())

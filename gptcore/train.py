@@ -44,7 +44,7 @@ from gptcore.data import IGNORE_INDEX, TokenData
 from gptcore.device import resolve_device
 from gptcore.errors import DivergedError, UserError
 from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
-from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
+from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu, remeasure_cpu_peak
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at, param_groups, set_lr
 from gptcore.tokenizer import token_byte_lengths
@@ -60,7 +60,7 @@ def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
     """`train.precision` made concrete for `device`: ("fp32" | "bf16", why, for the first log line).
 
     auto: bf16 on a GPU that has bf16 units; on a CPU, bf16 when its bf16 matmul measured at least
-    `BF16_MIN_SPEEDUP` x its fp32 matmul (measured once, cached with the MFU peak by
+    `BF16_MIN_SPEEDUP` x its fp32 matmul (measured, cached with the MFU peak by
     `gptcore.mfu`): a CPU without bf16 units (AMX, AVX512-BF16) emulates it, often slower than
     fp32. fp32 elsewhere."""
     if device.type == "cuda":
@@ -190,6 +190,7 @@ class Trainer:
             *resolve_precision(cfg.train.precision, self.device)
         )
         self.peak_flops, self.peak_source = device_peak_flops(self.device, self.precision)
+        self.peak_remeasured = False  # an MFU over 100% re-measures a CPU's peak once
         self.tokenizer_json = self.data.tokenizer_text()  # every checkpoint carries its tokenizer
         # UTF-8 bytes of each token id, for bits per byte on exactly the tokens evaluated.
         self.token_bytes = torch.from_numpy(token_byte_lengths(Tokenizer.from_str(self.tokenizer_json))).to(
@@ -488,11 +489,38 @@ class Trainer:
             "lr": step_metrics["lr"],
             "grad_norm": step_metrics["grad_norm"],
             "tokens_per_sec": tokens_per_sec,
-            "mfu": mfu(per_device, self.flops_per_token, self.peak_flops),
+            "mfu": self._checked_mfu(per_device),
             "eta_sec": (self.total_steps - self.step) * elapsed / max(steps, 1),
             "bad_steps": float(self.bad_steps),
             "rollbacks": float(self.rollbacks),
         }
+
+    def _checked_mfu(self, tokens_per_sec: float) -> float:
+        """MFU against the peak; 0 (logged n/a) where the peak is unknown. An MFU over 100% proves
+        the peak too low: a CPU's is measured again, once; if the MFU is still over, one warning
+        and n/a from then on, never an impossible figure."""
+        value = mfu(tokens_per_sec, self.flops_per_token, self.peak_flops)
+        if value <= 1.0:
+            return value
+        if self.device.type == "cpu" and not self.peak_remeasured:
+            self.peak_remeasured = True
+            old = self.peak_flops
+            remeasure_cpu_peak(self.precision)
+            self.peak_flops, self.peak_source = device_peak_flops(self.device, self.precision)
+            value = mfu(tokens_per_sec, self.flops_per_token, self.peak_flops)
+            self.log(
+                f"MFU was {100 * mfu(tokens_per_sec, self.flops_per_token, old):.0f}% of a peak of "
+                f"{old / 1e9:.1f} GFLOP/s, so that peak was too low: measured again, "
+                f"{self.peak_flops / 1e9:.1f} GFLOP/s"
+            )
+            if value <= 1.0:
+                return value
+        self.log(
+            f"warning: MFU would be {100 * value:.0f}% of the peak ({self.peak_source}); that peak "
+            "is wrong, so MFU is n/a for this run"
+        )
+        self.peak_flops = 0.0
+        return 0.0
 
     def _log_progress(self, m: dict[str, float]) -> None:
         mfu_text = f"{100 * m['mfu']:.1f}%" if self.peak_flops else "n/a"

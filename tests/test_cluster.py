@@ -12,6 +12,7 @@ import http.server
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -516,6 +517,87 @@ def test_storage_a_node_does_not_see_is_refused_naming_the_node(two_nodes, tiny_
         assert named.count("(") == 1, named  # one node, and not one of the two that share the disk
         assert not any(n["node_id"][:8] in named for n in two_nodes.state["nodes"]), named
         assert list(storage.iterdir()) == []  # no run folder, and the check's marker is gone
+    finally:
+        assert local.stop_node(node, grace=10) == []
+
+
+# A driver that joins the cluster as gptrun does and asks each node for the Ray Train settings.
+SETTINGS_CHILD = """
+import json, os, sys
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from experiments.cluster import ray_session
+
+NAMES = ("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
+         "RAY_TRAIN_ENABLE_PRINT_PATCH")
+
+@ray.remote(num_cpus=0)
+def settings():
+    return {name: os.environ.get(name) for name in NAMES}
+
+os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"  # as `gptrun` (experiments.cli.main) sets it
+with ray_session(sys.argv[1]):
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    strategy = lambda node: NodeAffinitySchedulingStrategy(node, soft=False)
+    print(json.dumps(ray.get([settings.options(scheduling_strategy=strategy(n)).remote() for n in nodes])))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path):
+    """A DDP trial's TorchTrainer is built in its Tune trial actor, which has its raylet's
+    environment, and Ray Train passes on what that process's environment holds: the settings
+    the driver puts in os.environ must reach the job's processes on every node (runtime_env)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SETTINGS_CHILD, two_nodes.address],
+        cwd=REPO,
+        env={**two_nodes.client_env(tmp_path), "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    per_node = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(per_node) == 2
+    for settings in per_node:
+        assert settings == {
+            "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "900",
+            "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+        }
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_node_without_the_data_is_refused_naming_the_node(two_nodes, tiny_data, tmp_path, monkeypatch):
+    """A third node sees an empty tmpfs over data.dir (as a node without the data mount would):
+    `gptrun train` and `gptrun sweep` refuse in one line naming it, before any trial starts."""
+    local = two_nodes.local
+    plain = local.ray_command()
+    hide = 'mount -t tmpfs gptrun-hidden "$0" && exec "$@"'
+    monkeypatch.setattr(
+        local, "ray_command", lambda: ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide,
+                                       str(tiny_data), *plain],
+    )  # fmt: skip
+    node = local.start_node(two_nodes.dir, two_nodes.state, "nodata", 1, 0)
+    try:
+        local.wait_started(node, 60)
+        wait_for(lambda: "alive: 3 node(s)" in local_sh("status", state=two_nodes.dir).stdout, 60, "3 nodes")
+        env = two_nodes.client_env(tmp_path)
+        config = tmp_path / "exp.toml"
+        config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+        storage = tmp_path / "storage"
+        train = ["train", str(config), "--address", two_nodes.address, "--storage", str(storage)]
+        sweep_config = write_sweep_config(tiny_data, tmp_path / "sweep", n=2, max_steps=8)
+        sweep = sweep_args(sweep_config, "nodata", storage, two_nodes.address)
+        for args in (train, sweep):
+            proc, _ = run_clean(args, env)
+            assert_user_error(proc, f"data.dir {tiny_data} is not usable on node(s) ", "every node that runs")
+            one_node = r"on node\(s\) [\d.]+ \([0-9a-f]{8}\) \(.*meta\.json not found"  # the one without it
+            assert re.search(one_node, proc.stderr), proc.stderr
+            assert not any(n["node_id"][:8] in proc.stderr for n in two_nodes.state["nodes"]), proc.stderr
+        assert not list(storage.rglob("checkpoint*"))  # no trial ran
     finally:
         assert local.stop_node(node, grace=10) == []
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tomllib
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 import yaml
 from packaging.requirements import Requirement
 
@@ -528,3 +528,45 @@ def test_slurm_sh_expands_arrays_that_may_be_empty_the_bash_4_2_way():
         guarded = text.count(f'${{{name}[@]+"${{{name}[@]}}"}}')
         bare = text.count(f'"${{{name}[@]}}"')
         assert bare == guarded > 0, f"{name}: {bare - guarded} unguarded expansion(s)"
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--port", "99999"], "'99999' is not a port (1-65535)"),
+        (["--port", "http"], "'http' is not a port"),
+        (["--autoscale", "0"], "'0' must be a whole number >= 1"),
+        (["--autoscale", "-1"], "'-1' must be a whole number >= 1"),
+        (["--autoscale", "abc"], "'abc' must be a whole number >= 1"),
+        (["--nodes", "-1"], "--nodes must be >= 0"),
+    ],
+)
+def test_local_sh_up_refuses_bad_input_in_one_line(tmp_path, args, needle):
+    """Exit 2 and one line, before anything starts: Ray would listen on 99999 mod 65536."""
+    proc = subprocess.run(
+        [str(CLUSTER / "local.sh"), "up", "--dir", str(tmp_path / "c"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not (tmp_path / "c").exists() and "Traceback" not in proc.stderr
+
+
+def test_local_sh_up_refuses_a_port_in_use_with_exit_2(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [str(CLUSTER / "local.sh"), "up", "--dir", str(tmp_path / "c"), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 2, proc.stderr
+    line = f"cluster/local.sh up: error: port {port} is in use; pick another --port or leave it out"
+    assert proc.stderr.strip() == line

@@ -17,7 +17,7 @@ from gptcore.model import GPT
 from gptcore.mup import coord_batches, coord_check, width_slopes
 from gptcore.optim import lr_at
 from gptcore.train import Trainer
-from tests.conftest import tiny_config_text
+from tests.conftest import assert_user_error, run_cli, tiny_config_text
 
 LLAMA = ['model.style="llama"', "model.n_head=4", "model.n_kv_head=2"]
 
@@ -85,6 +85,25 @@ def test_the_output_multiplier_is_mup_only_and_positive():
         load_config(None, ["model.mup_output_mult=2.0"])
     with pytest.raises(UserError, match="model.mup_output_mult=0.0 must be > 0"):
         load_config(None, ["model.mup_base_width=64", "model.mup_output_mult=0.0"])
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_an_infinite_multiplier_is_refused_on_the_command_line_and_in_a_sweep_space(tmp_path, value):
+    """inf would be accepted by "> 0" and diverge a run later: every float key must be finite."""
+    with pytest.raises(UserError, match=f"model.mup_output_mult={value} must be a finite number"):
+        load_config(None, ["model.mup_base_width=64", f"model.mup_output_mult={value}"])
+    config = tmp_path / "sweep.toml"
+    config.write_text(
+        tiny_config_text(tmp_path / "data", tmp_path / "run").replace(
+            'preset = "tiny"', 'preset = "tiny"\nmup_base_width = 64'
+        )
+        + f"\n[sweep.space]\nlr = {{ loguniform = [1e-4, 1e-2] }}\n"
+        f'"model.mup_output_mult" = {{ choice = [{value}, 1.0] }}\n'
+    )
+    proc = run_cli("plan", str(config))
+    assert_user_error(proc, "model.mup_output_mult", "must be a finite number")
+    config.write_text(config.read_text().replace(f"choice = [{value}, 1.0]", f"uniform = [1.0, {value}]"))
+    assert_user_error(run_cli("plan", str(config)), "finite numbers")
 
 
 def test_the_trainer_gives_hidden_matrices_lr_over_m(tiny_data, tmp_path):

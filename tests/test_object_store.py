@@ -113,6 +113,29 @@ def test_unreachable_endpoint_is_one_line(s3, tiny_data, tmp_path):
     assert_user_error(proc, "cannot reach the object store")
 
 
+@pytest.mark.parametrize("command", ["sweep", "report", "resume"])
+def test_gs_without_google_credentials_is_one_line_and_exits(tiny_data, tmp_path, command):
+    """Without credentials GCS's client retries for minutes, and a probe thread left running
+    kept the process from exiting: now the probe has its own bound and the line names Google's
+    credentials (not AWS_ENDPOINT_URL). `run_cli`'s timeout is the bound the test holds it to."""
+    env = {
+        "HOME": str(tmp_path),  # no gcloud configuration
+        "GOOGLE_APPLICATION_CREDENTIALS": "",
+        "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"),
+        "GPTRUN_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    where = "gs://gptrun-no-credentials/sweeps"
+    if command == "sweep":
+        config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
+        args = ["sweep", str(config), "--storage", where]
+    else:
+        args = [command, f"{where}/x"]
+    proc = run_cli(*args, env=env, timeout=90)
+    assert_user_error(proc, "no usable Google credentials", "GOOGLE_APPLICATION_CREDENTIALS")
+    assert "AWS_ENDPOINT_URL" not in proc.stderr
+    assert not (tmp_path / "cache" / "remote").exists()
+
+
 def saved_states(env: dict[str, str], prefix: str) -> list[str]:
     """The texts of Tune's experiment states under `prefix` (what a resume reads)."""
     client = s3_client(env)

@@ -4,6 +4,7 @@ trial failed), and a folder that is not one."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -25,9 +26,10 @@ from experiments.outcome import best_trial
 from experiments.report.common import CommonBudget, analysis_study, common_budget
 from experiments.report.data import trial_rows
 from experiments.report.importance import MIN_TRIALS, importances, too_few
-from experiments.report.page import report_page
+from experiments.report.interactive import parallel_figure
+from experiments.report.page import baseline_note, report_page
 from experiments.results import print_table
-from experiments.space import parse_space
+from experiments.space import apply_overrides, parse_space
 from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
 from tests.conftest import REPO, assert_user_error, run_cli, study_values
 
@@ -225,6 +227,17 @@ def test_analysis_study_values_trials_at_the_common_budget() -> None:
         assert ("weight_decay" in frozen.params) is not config["optim.weight_decay_is_zero"]
 
 
+def test_parallel_coordinates_label_a_chosen_zero_0_not_none() -> None:
+    space = parse_space(load_experiment(QUICKSTART))
+    trials, curves = _made_up_sweep(8)  # trial 3 and 7 chose weight decay 0
+    common = common_budget(trials, curves)
+    fig = parallel_figure(analysis_study(common, trials, space), common)
+    labels = [note.text for note in fig.layout.annotations]
+    assert "None" not in labels and "0" in labels
+    hover = [value for trace in fig.data if trace.customdata is not None for _, value in trace.customdata]
+    assert "None" not in hover and hover.count("0") == 2
+
+
 def test_importances_come_with_intervals_or_say_they_cannot() -> None:
     space = parse_space(load_experiment(QUICKSTART))
     trials, curves = _made_up_sweep(40)
@@ -330,6 +343,15 @@ def test_page_from_made_up_trials(tmp_path: Path) -> None:
     assert ranked.note in html
 
 
+def test_config_strings_on_the_page_are_escaped() -> None:
+    """A searched string value (here a data folder named like markup) is text, not HTML."""
+    name = "<script>alert(1)</script>"
+    cfg = load_experiment(QUICKSTART)
+    cfg = apply_overrides(cfg, {"data.dir": name, "sweep.space": {"data.dir": {"choice": [name, "x"]}}})
+    html = baseline_note(cfg, parse_space(cfg), [])
+    assert "<script>" not in html and "dir=&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
 def test_page_says_why_plots_are_missing(tmp_path: Path) -> None:
     """One trial: no contour, no parallel coordinates, no importances, and the page says why."""
     cfg = load_experiment(QUICKSTART)
@@ -406,8 +428,12 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
 
     page = (out / "report.html").read_text()
     check_page(page, out, PLOTS)
-    for name in (*PNGS, "noise.png"):
-        assert f"<a href='{name}'>" in page
+    for name in (*PNGS, "noise.png"):  # held in the page: it is mailed alone
+        assert base64.b64encode((out / name).read_bytes()).decode() in page, name
+    assert "<a href='curves.png'>" not in page
+    checkpoint = rows[0]["checkpoint"]  # cut to its column's width (CSS), the full path on hover
+    assert f"<td class='path' title='{checkpoint}'>{Path(checkpoint).name}</td>" in page
+    assert "td.path{max-width:16em;overflow:hidden;text-overflow:ellipsis" in page
     for r in rows:  # each trial links to its own folder
         assert (
             f"/{finished_sweep.name}/{_trial_dir(finished_sweep, r['trial_id'])}/'>{r['trial_id']}</a>"
@@ -553,3 +579,19 @@ def test_report_needs_its_plotting_libraries(finished_sweep: Path, tmp_path: Pat
 def test_report_not_an_experiment(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("not a sweep")
     assert_user_error(run_cli("report", str(tmp_path)), str(tmp_path), "not a gptrun sweep folder")
+
+
+@pytest.mark.parametrize("damage", ["experiment_state", "sweep.json"])
+def test_report_on_a_damaged_sweep_is_one_line(finished_sweep: Path, tmp_path: Path, damage: str) -> None:
+    """A truncated Tune state, or a `sweep.json` that is not JSON, names the file and what to do."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(finished_sweep, copy, ignore=shutil.ignore_patterns("report"))
+    if damage == "sweep.json":
+        (copy / "sweep.json").write_text("{not json")
+        needle = f"{copy}/sweep.json is damaged"
+    else:
+        state = sorted(copy.glob("experiment_state-*.json"))[-1]
+        state.write_text(state.read_text()[:200])
+        needle = "Tune's saved state in"
+    assert_user_error(run_cli("report", str(copy), "--out", str(tmp_path / "r")), needle, "--restart")
+    assert not (tmp_path / "r").exists()

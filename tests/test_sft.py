@@ -164,6 +164,18 @@ def test_an_overlong_line_is_skipped_unread_and_counted(tiny_data, tmp_path, cap
     assert f"skipped 1 line over 1 MiB (far longer than any window, not tokenized): {source}:31" in out
 
 
+def test_every_line_overlong_says_they_were_skipped(tiny_data, tmp_path):
+    """Not a bare "too few conversations", nor the inputs printed as a Python list."""
+    rng = random.Random(0)
+    source = tmp_path / "chat.jsonl"
+    line = json.dumps({"conversations": long_conversation(rng, 300_000)})
+    assert len(line) > 1 << 20
+    source.write_text("\n".join([line] * 3) + "\n")
+    proc = run_prepare_sft(source, tiny_data / "tokenizer.json", tmp_path / "out")
+    assert_user_error(proc, f"{source}: too few conversations", "after skipping 3 lines over 1 MiB")
+    assert "['" not in proc.stderr and not (tmp_path / "out").exists()
+
+
 def test_lengths_past_the_window_are_reported_by_prepare_and_by_the_run(tiny_data, pretrained, tmp_path):
     """prepare --sft does not know seq_len: it counts conversations longer than a window of
     common seq_len values; the run counts, for its own seq_len, the conversations whose tail is

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import stat
@@ -176,10 +177,33 @@ def fake_cpu_matmul(monkeypatch, tmp_path, bf16_speedup: float) -> list[torch.dt
     monkeypatch.setattr(mfu_mod, "_measured", {})
     measured: list[torch.dtype] = []
     rates = {torch.float32: 1e11, torch.bfloat16: bf16_speedup * 1e11}
-    monkeypatch.setattr(
-        mfu_mod, "_measure_matmul_flops", lambda dtype: measured.append(dtype) or rates[dtype]
-    )
+    monkeypatch.setattr(mfu_mod, "_sample_peak", lambda dtype: measured.append(dtype) or rates[dtype])
     return measured
+
+
+@pytest.mark.parametrize("remeasured", [1e13, 1e6])
+def test_an_mfu_over_100_percent_remeasures_the_peak_or_says_n_a(
+    tiny_data, tmp_path, monkeypatch, remeasured
+):
+    """A cached fp32 peak of 1 MFLOP/s (measured on a busy machine) makes any run's MFU
+    impossible: the trainer measures again; a sane figure replaces it, else MFU is n/a."""
+    fake_cpu_matmul(monkeypatch, tmp_path, 2.0)
+    (tmp_path / "cache").mkdir()
+    key = mfu_mod._cpu_key(torch.get_num_threads(), "fp32")
+    (tmp_path / "cache" / "cpu_peak_flops.json").write_text(json.dumps({key: 1e6}))
+    monkeypatch.setattr(mfu_mod, "_sample_peak", lambda dtype: remeasured)
+    logs: list[str] = []
+    trainer = Trainer(make_config(tiny_data, tmp_path, "train.precision=fp32"), log=logs.append)
+    trainer.fit()
+    progress = [line for line in logs if line.startswith("step ")]
+    assert progress and not any(re.search(r"MFU \d{3,}", line) for line in progress), progress
+    assert sum("so that peak was too low: measured again" in line for line in logs) == 1
+    if remeasured == 1e13:
+        assert all(re.search(r"MFU \d{1,2}\.\d%", line) for line in progress), progress
+        assert json.loads((tmp_path / "cache" / "cpu_peak_flops.json").read_text())[key] == 1e13
+    else:
+        assert sum("that peak is wrong, so MFU is n/a for this run" in line for line in logs) == 1
+        assert all("MFU n/a" in line for line in progress), progress
 
 
 @pytest.mark.parametrize(
@@ -201,7 +225,7 @@ def test_auto_precision_on_cpu_follows_the_measured_bf16_speedup(
     assert sorted(measured, key=str) == [torch.bfloat16, torch.float32]  # each measured once
     # MFU is against the peak of the precision chosen.
     assert trainer.peak_flops == (speedup * 1e11 if precision == "bf16" else 1e11)
-    assert f"{precision} matmul (measured" in trainer.peak_source
+    assert f"{precision} matmul (best of 3 samples" in trainer.peak_source
     trainer.fit(stop_at_step=1)
     assert f"| precision {precision} ({reason}) | MFU peak " in logs[1]  # after the run length
     # Another process on this machine: the cached measurement decides, nothing is measured again.
@@ -395,6 +419,50 @@ def test_atomic_dir_gets_mkdir_permissions_without_setting_the_umask(tmp_path, m
     assert (tmp_path / "d" / "f.txt").read_text() == "x"
 
 
+def _folder(path, text):
+    with atomic.atomic_dir(path) as tmp:
+        (tmp / "f.txt").write_text(text)
+
+
+def test_replacing_a_folder_never_leaves_its_path_empty(tmp_path, monkeypatch):
+    """The old and the new folder trade places in one step (Linux's RENAME_EXCHANGE), so no kill
+    can fall between two renames: a rename here is where a killed process would stop, and none
+    is needed."""
+    _folder(tmp_path / "d", "old")
+
+    def killed(src, dst):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(os, "replace", killed)
+    _folder(tmp_path / "d", "new")
+    assert (tmp_path / "d" / "f.txt").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]  # the old version is gone too
+
+
+def test_a_kill_between_the_two_renames_of_the_fallback_keeps_the_old_folder(tmp_path, monkeypatch):
+    """Where no atomic swap exists, `path -> .old` then `tmp -> path`: a kill in between leaves only
+    `.old`, which the next run puts back before anything else (it once deleted it)."""
+    _folder(tmp_path / "d", "old")
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    real_replace = os.replace
+
+    def killed_after_the_first(src, dst):
+        real_replace(src, dst)
+        monkeypatch.setattr(os, "replace", real_replace)
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(os, "replace", killed_after_the_first)
+    with pytest.raises(RuntimeError, match="killed"):
+        _folder(tmp_path / "d", "new")
+    assert not (tmp_path / "d").exists() and (tmp_path / ".d.old" / "f.txt").read_text() == "old"
+    with pytest.raises(RuntimeError), atomic.atomic_dir(tmp_path / "d"):
+        assert (tmp_path / "d" / "f.txt").read_text() == "old"  # restored before any work
+        raise RuntimeError("the next run fails too")
+    assert (tmp_path / "d" / "f.txt").read_text() == "old"
+    _folder(tmp_path / "d", "newer")
+    assert (tmp_path / "d" / "f.txt").read_text() == "newer" and not (tmp_path / ".d.old").exists()
+
+
 def test_local_run_resumes_and_refuses_another_shape(tiny_data, tmp_path, capsys):
     cfg = make_config(tiny_data, tmp_path, "train.max_steps=8")
     first = train_local(cfg)
@@ -409,6 +477,20 @@ def test_local_run_resumes_and_refuses_another_shape(tiny_data, tmp_path, capsys
     other = make_config(tiny_data, tmp_path, "model.n_layer=3")
     with pytest.raises(UserError, match="another model shape .*n_layer: 2 vs 3"):
         train_local(other)
+
+
+def test_rerunning_a_complete_run_says_so_and_writes_nothing(tiny_data, tmp_path, capsys):
+    cfg = make_config(tiny_data, tmp_path, "train.max_steps=8")
+    first = train_local(cfg)
+    run = tmp_path / "run"
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    again = train_local(cfg)
+    out = capsys.readouterr().out
+    assert f"{run} is a complete run (step 8/8, val loss {first['val_loss']:.4f}): nothing to do" in out
+    assert "compile" not in out and "resumed from" not in out
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    assert again["val_loss"] == first["val_loss"] and again["step"] == 8
 
 
 def test_a_rerun_with_another_schedule_is_refused_unless_extended(tiny_data, tmp_path):

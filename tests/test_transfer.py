@@ -4,6 +4,7 @@ turns a real µP sweep on a narrow proxy into the wide target's config, or refus
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,34 @@ def test_a_sweep_without_mup_is_refused(tiny_data, tmp_path):
     assert_user_error(proc, "did not use µP", "--set model.mup_base_width=64")
     proc = run_cli("transfer", str(tmp_path / "nothing"), "--to", str(target_toml(tiny_data, tmp_path)))
     assert_user_error(proc, "is not a gptrun sweep folder")
+
+
+def test_an_out_that_cannot_be_written_or_exists_is_refused(mup_sweep, tiny_data, tmp_path):
+    target = str(target_toml(tiny_data, tmp_path))
+    proc = run_cli("transfer", str(mup_sweep), "--to", target, "--out", "/proc/gptrun/t.toml")
+    assert_user_error(proc, "/proc/gptrun", "not writable")
+    out = tmp_path / "mine.toml"
+    out.write_text("# the user's own file\n")
+    proc = run_cli("transfer", str(mup_sweep), "--to", target, "--out", str(out))
+    assert_user_error(proc, f"--out {out} exists", "--force")
+    assert out.read_text() == "# the user's own file\n"
+    proc = run_cli("transfer", str(mup_sweep), "--to", target, "--out", str(out), "--force")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_experiment(out).model.d_model == 256
+
+
+def test_a_relative_data_dir_is_written_absolute_so_the_config_trains_from_anywhere(
+    mup_sweep, tiny_data, tmp_path
+):
+    """The target names its data relative to where transfer runs; the printed command works elsewhere."""
+    relative = os.path.relpath(tiny_data, tmp_path)
+    target = target_toml(tiny_data, tmp_path)
+    target.write_text(target.read_text().replace(f'dir = "{tiny_data}"', f'dir = "{relative}"'))
+    out = tmp_path / "big.toml"
+    proc = run_cli("transfer", str(mup_sweep), "--to", str(target), "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_experiment(out).data.dir == str(tiny_data.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    train = run_cli("train", str(out), "--local", "--set", "train.max_steps=2", cwd=elsewhere)
+    assert train.returncode == 0, train.stderr[-3000:]

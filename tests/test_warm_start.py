@@ -202,3 +202,30 @@ def test_warm_started_sweep_from_the_cli_resumes_without_a_second_history(
     assert f"warm start: {len(copied)} trials of {finished_sweep}" in proc.stdout
     page = (exp_dir / "report" / "report.html").read_text()
     assert "Warm start" in page and str(finished_sweep) in page
+
+
+def test_a_source_is_read_only_even_when_it_is_refused(tiny_data, tmp_path):
+    """An empty or damaged source study is refused as it is: no schema is written into it."""
+    base = sweep_config(tiny_data, tmp_path)
+    source = tmp_path / "sweeps" / "old"
+    start_experiment(source, base, {"max_concurrent": 1})
+    (source / "optuna.db").write_bytes(b"")
+    cfg = apply_overrides(base, {"sweep.warm_start": "old"})
+    with pytest.raises(UserError, match="has no Optuna study .*optuna.db is empty"):
+        load_history(cfg, parse_space(cfg), tmp_path / "sweeps")
+    assert (source / "optuna.db").stat().st_size == 0
+    (source / "optuna.db").write_bytes(b"SQLite format 3\x00" + b"\x00" * 84)  # a header, no tables
+    before = (source / "optuna.db").read_bytes()
+    with pytest.raises(UserError, match="sweep.warm_start: .*old's study cannot be read"):
+        load_history(cfg, parse_space(cfg), tmp_path / "sweeps")
+    assert (source / "optuna.db").read_bytes() == before
+
+
+def test_a_good_source_is_read_without_writing_to_it(tiny_data, tmp_path):
+    base = sweep_config(tiny_data, tmp_path)
+    source_sweep(base, tmp_path / "sweeps" / "old", n=3)
+    db = tmp_path / "sweeps" / "old" / "optuna.db"
+    before = db.read_bytes()
+    cfg = apply_overrides(base, {"sweep.warm_start": "old"})
+    assert len(load_history(cfg, parse_space(cfg), tmp_path / "sweeps").trials) == 3
+    assert db.read_bytes() == before

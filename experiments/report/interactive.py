@@ -208,12 +208,19 @@ def contour_figure(study: Any, space: Space, common: CommonBudget) -> Any | None
 
 
 def parallel_figure(study: Any, common: CommonBudget) -> Any:
-    """Optuna's parallel coordinates of the trials at the common budget (a chosen 0 of a
-    log-scale key sits at its axis' None tick, and its `=0` axis says True)."""
+    """Optuna's parallel coordinates of the trials at the common budget. A chosen 0 of a
+    log-scale key has no value on its axis (the trial lacks the key, and its `=0` axis says
+    True): Optuna marks that place "None", which is relabelled 0, on the axis and in the hover."""
     import optuna
 
     fig = optuna.visualization.plot_parallel_coordinate(study, target_name=common.label)
     fig.update_layout(title=f"Parallel coordinates: {common.title}")
+    for note in fig.layout.annotations:
+        if note.text == "None":
+            note.text = "0"
+    for trace in fig.data:
+        if trace.customdata is not None:
+            trace.customdata = [[name, "0" if value == "None" else value] for name, value in trace.customdata]
     return fig
 
 

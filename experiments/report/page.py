@@ -49,7 +49,8 @@ table{border-collapse:collapse;font-size:13px}
 td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}
 th.at,td.at{background:#eef4fb;font-weight:bold} tr.unfinished{background:#ffe9c7;font-style:italic}
 tr.stopped-early,tr.cut-by-budget{color:#555} tr.diverged,tr.refused,tr.error{color:#a00}
-img{max-width:100%} p.note{background:#f6f6f6;padding:.5em 1em;border-left:4px solid #888}"""
+img{max-width:100%} p.note{background:#f6f6f6;padding:.5em 1em;border-left:4px solid #888}
+td.path{max-width:16em;overflow:hidden;text-overflow:ellipsis;text-align:left}"""
 
 
 def report_page(
@@ -69,7 +70,7 @@ def report_page(
 ) -> str:
     """report.html: the summary, the trial table (`rows`: trials.parquet's), the interactive
     plots (`study`: the trials at the common budget), the importances, the noise section, the
-    warm-start history (`warm_start`: its HTML, "" for a cold sweep) and links to the PNGs."""
+    warm-start history (`warm_start`: its HTML, "" for a cold sweep) and the PNGs."""
     drawable = len(common.losses) >= 2  # Optuna's contour and parallel coordinates need two trials
     contour = interactive.contour_figure(study, space, common) if drawable else None
     too_few = f"<p>Needs two trials compared at the common budget; there are {len(common.losses)}.</p>"
@@ -95,7 +96,7 @@ def report_page(
         "Hyperparameter importance": importance_html(ranked, common),
         "Noise": noise_html(noise, exp_dir, out_dir),
         **({"Warm start": warm_start} if warm_start else {}),
-        "Images": png_links(out_dir),
+        "Images": png_images(out_dir),
     }
     return html_page(exp_dir.name, trials, sections, interactive.plotly_js())
 
@@ -177,11 +178,15 @@ def importance_html(ranked: Importances, common: CommonBudget) -> str:
     return plot + (f"<p class='note'>{escape(ranked.note)}</p>" if ranked.note else "")
 
 
-def png_links(out_dir: Path) -> str:
-    """Links to the PNGs beside the page (for a paper or a chat), those that were drawn."""
-    names = [n for n in ("curves.png", "params.png", "importance.png", "noise.png") if (out_dir / n).exists()]
-    links = ", ".join(f"<a href='{n}'>{n}</a>" for n in names)
-    return f"<p>The same plots as images, beside this page: {links}.</p>"
+def png_images(out_dir: Path) -> str:
+    """The PNGs that were drawn, held in the page (it is mailed alone), and their file names
+    beside it (for a paper or a chat). noise.png is in the noise section already."""
+    names = [n for n in ("curves.png", "params.png", "importance.png") if (out_dir / n).exists()]
+    if not names:
+        return "<p>No plot was drawn.</p>"
+    return f"<p>The same plots as images, also beside this page as {', '.join(names)}:</p>" + "".join(
+        png(out_dir / n, n) for n in names
+    )
 
 
 def png(path: Path, alt: str) -> str:
@@ -212,8 +217,9 @@ def _cell(key: str, value: Any, sci: set[str], path: str, nodes: dict[str, str],
         return f"<td>{_number(value, '.4f')}</td>"
     if key.endswith("_s") and isinstance(value, float):
         return f"<td>{'-' if math.isnan(value) else f'{value:.3g}s'}</td>"
-    if key == "checkpoint" and value:  # the trial's folder and checkpoint; the full path on hover
-        return f"<td title='{escape(value)}'>{escape('/'.join(Path(value).parts[-2:]))}</td>"
+    if key in ("checkpoint", "reason") and value:  # cut to the column's width; all of it on hover
+        shown = Path(value).name if key == "checkpoint" else value  # the trial is in its own column
+        return f"<td class='path' title='{escape(value)}'>{escape(shown)}</td>"
     if key == "node_id":
         return f"<td title='{escape(value)}'>{escape(nodes.get(value, '-'))}</td>"
     return f"<td>{escape(_text(value))}</td>"
@@ -275,7 +281,7 @@ def baseline_note(cfg: RayExperiment, space: Space, trials: list[dict[str, Any]]
         else f"{k.rpartition('.')[2]}={v}"
         for k, v in base.items()
     )
-    return f"<p>{same} trial(s) ran with the baseline config ({values}).</p>"
+    return f"<p>{same} trial(s) ran with the baseline config ({escape(values)}).</p>"
 
 
 def _text(value: Any) -> str:
