@@ -20,7 +20,8 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
-from experiments.experiment import append_event, read_events
+from experiments import remote
+from experiments.experiment import EVENTS_FILE, append_event, read_events
 from experiments.outcome import FLAGS
 
 
@@ -103,6 +104,11 @@ class TrialEvents(Callback):
         print(f"trial {trial.trial_id} {self.describe(trial.trial_id, last)}", flush=True)
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
+        self._cut_by_budget(trials)
+        remote.upload_soon(self.exp_dir, EVENTS_FILE, now=True)  # the last batch
+
+    def _cut_by_budget(self, trials: list) -> None:
+        """End the trials the spent budget cut (Tune ends them without telling anyone)."""
         if self.budget_s is None or self.spent_s + time.time() - self.started_unix < self.budget_s:
             return
         for trial in trials:

@@ -119,7 +119,7 @@ def append_event(exp_dir: Path, event: dict[str, Any]) -> None:
     """One line of `events.jsonl`. Written by the sweep driver only, so appends do not race."""
     with open(exp_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps(event) + "\n")
-    remote.upload(exp_dir, EVENTS_FILE)  # object stores have no append: the whole file again
+    remote.upload_soon(exp_dir, EVENTS_FILE)  # in batches: an object store has no append
 
 
 def read_events(exp_dir: Path) -> list[dict[str, Any]]:

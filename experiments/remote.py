@@ -168,8 +168,17 @@ def open_working_copy(uri: str, *, pull: bool) -> Path:
     if pull:
         for sub in ("", "confirm/"):
             for name in OWN_FILES:
+                if name == APPEND_ONLY and _holds_more(folder / sub / name, f"{uri}/{sub}{name}"):
+                    continue
                 download(f"{uri}/{sub}{name}", folder / sub / name)
     return folder
+
+
+def _holds_more(local: Path, uri: str) -> bool:
+    """Whether `local` holds what `uri` holds and more lines after it: the batch a killed driver
+    wrote here but had not uploaded yet, which a download would lose."""
+    remote = read_text(uri)
+    return local.is_file() and remote is not None and local.read_text(encoding="utf-8").startswith(remote)
 
 
 def download(uri: str, dest: Path) -> bool:
@@ -206,6 +215,29 @@ def upload(folder: Path, name: str) -> None:
     fs, path = filesystem(f"{target}/{name}")
     with open(folder / name, "rb") as src, fs.open_output_stream(path) as out:
         shutil.copyfileobj(src, out)
+
+
+APPEND_ONLY = "events.jsonl"  # grows by lines: uploaded in batches, merged on a pull
+BATCH_S = 5.0  # an append-only file is uploaded at most this often (and at the sweep's end)
+_uploaded: dict[Path, float] = {}  # file -> when it was last uploaded by this process
+
+
+def upload_soon(folder: Path, name: str, *, now: bool = False) -> None:
+    """Upload a file that grows by appends (`events.jsonl`), at most every `BATCH_S` seconds
+    unless `now`: an object store has no append, so each upload is the whole file, and one per
+    event made the traffic grow with the square of the events. A failed upload is one warning
+    and tried again at the next call; it never ends the sweep (the local copy has every line)."""
+    import time
+
+    path = folder / name
+    if not now and time.monotonic() - _uploaded.get(path, float("-inf")) < BATCH_S:
+        return
+    try:
+        upload(folder, name)
+    except (OSError, UserError) as err:
+        print(f"warning: {name} not uploaded ({_first_line(err)}); trying again later", flush=True)
+        return
+    _uploaded[path] = time.monotonic()
 
 
 def has_tune_state(where: str) -> bool:

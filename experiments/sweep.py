@@ -9,6 +9,7 @@ the cluster (its address, its size or what its autoscaler can add) and the stora
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,8 +127,10 @@ def run_sweep(plan: SweepPlan) -> int:
         create_storage(parent)
         verify_shared_storage(parent)  # every node must see the trials' checkpoints
         verify_data_on_nodes(cfg.data.dir)  # and every node that runs trials their data
-        if plan.restart or plan.uri:  # every check passed: the old experiment may go (and a
-            remove_experiment(exp_dir, plan.uri)  # working copy left from a deleted URI's)
+        if plan.restart:  # every check passed: the old experiment may go
+            remove_experiment(exp_dir, plan.uri)
+        else:
+            claim_name(plan)
         if plan.restart and cfg.sweep.storage_url:
             from experiments.study import delete_study
 
@@ -146,6 +149,26 @@ def run_sweep(plan: SweepPlan) -> int:
             print(plan.history.note, flush=True)
         new_tuner(cfg, plan.space, exp_dir, width, history=plan.history).fit()
     return finish(cfg, plan.space, exp_dir)
+
+
+def claim_name(plan: SweepPlan) -> None:
+    """Take a new sweep's name, or refuse it if another sweep took it since `plan_sweep` looked
+    (the wait for the cluster can last minutes; a teammate may start the same name meanwhile).
+    A local folder is made with `mkdir`, which only one process can win; in object storage,
+    which has no such call, the name is looked up again right before its first file is written.
+    A working copy left on this machine by a deleted URI is stale: it goes."""
+    taken = f"experiment {plan.location} was created while this sweep waited for the cluster"
+    if plan.uri:
+        if remote.exists(plan.uri):
+            raise UserError(f"{taken}; pick another --name, or pass --restart to replace it")
+        if plan.exp_dir.exists():
+            shutil.rmtree(plan.exp_dir)
+        return
+    plan.exp_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        plan.exp_dir.mkdir()
+    except FileExistsError:
+        raise UserError(f"{taken}; pick another --name, or pass --restart to replace it") from None
 
 
 def study_record(cfg: RayExperiment, exp_dir: Path) -> dict[str, str]:

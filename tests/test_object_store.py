@@ -25,6 +25,7 @@ import pytest
 from tests.conftest import (
     REPO,
     assert_user_error,
+    free_ports,
     mid_trial_checkpoints,
     resume_checkpoints,
     run_cli,
@@ -241,3 +242,47 @@ def test_kill_anywhere_in_s3(s3, tiny_data, tmp_path, monkeypatch):
     assert not missed, (missed, sweep.outputs)
     verdict = sweep.verdict(n)
     assert verdict.clean, (verdict, sweep.outputs[-1][-3000:])
+
+
+def test_a_uri_taken_while_the_sweep_waited_is_refused_not_deleted(s3, tiny_data, tmp_path, monkeypatch):
+    """The object-store side of tests/test_restart.py's name race: a sweep of the same name that
+    appeared in the bucket after the plan's check is refused, and nothing of it is deleted."""
+    from experiments.sweep import claim_name, plan_sweep
+    from gptcore.errors import UserError
+
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)
+    config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=4)
+    storage = f"s3://{BUCKET}/race"
+    plan = plan_sweep(str(config), [], name="taken", storage=storage, restart=False, address="x")
+    s3_client(s3).put_object(Bucket=BUCKET, Key="race/taken/gptrun.toml", Body=b"theirs")
+    with pytest.raises(UserError, match="was created while this sweep waited"):
+        claim_name(plan)
+    assert keys(s3, "race/taken/") == ["race/taken/gptrun.toml"]
+
+
+def test_events_are_uploaded_in_batches_and_a_failed_upload_ends_nothing(s3, tmp_path, monkeypatch, capsys):
+    """events.jsonl is uploaded at most every few seconds (each upload is the whole file), a
+    resume's pull keeps the lines a killed driver had not uploaded yet, and an upload that fails
+    is a warning, never an error that would end the sweep."""
+    from experiments import remote
+    from experiments.experiment import EVENTS_FILE, append_event
+
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)
+    uri = f"s3://{BUCKET}/batch/exp"
+    folder = remote.open_working_copy(uri, pull=False)
+    for i in range(20):
+        append_event(folder, {"event": "start", "trial_id": str(i), "unix": 0.0})
+    uploaded = remote.read_text(f"{uri}/{EVENTS_FILE}")
+    assert uploaded is not None and len(uploaded.splitlines()) == 1  # the first, then a batch later
+    remote.open_working_copy(uri, pull=True)  # a resume on this machine: the local lines stay
+    assert len((folder / EVENTS_FILE).read_text().splitlines()) == 20
+    remote.upload_soon(folder, EVENTS_FILE, now=True)
+    assert len(remote.read_text(f"{uri}/{EVENTS_FILE}").splitlines()) == 20
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_ports(1)[0]}")  # nothing there
+    append_event(folder, {"event": "end", "trial_id": "0", "unix": 0.0})
+    remote.upload_soon(folder, EVENTS_FILE, now=True)
+    assert "warning: events.jsonl not uploaded" in capsys.readouterr().out
+    assert len((folder / EVENTS_FILE).read_text().splitlines()) == 21

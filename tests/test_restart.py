@@ -87,3 +87,23 @@ def test_confirm_restart_keeps_the_old_confirm_until_the_cluster_answers(finishe
     proc = run_cli("confirm", str(copy), "--top", "1", "--seeds", "3", "--restart", "--address", address)
     assert_user_error(proc, f"nothing answers at --address {address}")
     assert sorted(p.name for p in (copy / "confirm").iterdir()) == before
+
+
+def test_a_name_taken_while_the_sweep_waited_is_refused_not_deleted(tiny_data, tmp_path):
+    """Between `plan_sweep`'s check and the first write, the wait for the cluster can last
+    minutes: a teammate's sweep of the same name made meanwhile is refused, and kept whole."""
+    from experiments.sweep import claim_name, plan_sweep
+    from gptcore.errors import UserError
+
+    config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=4)
+    storage = tmp_path / "sweeps"
+    plan = plan_sweep(str(config), [], name="race", storage=str(storage), restart=False, address="x")
+    theirs = storage / "race" / "gptrun.toml"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text("their sweep\n")
+    with pytest.raises(UserError, match="was created while this sweep waited"):
+        claim_name(plan)
+    assert theirs.read_text() == "their sweep\n"
+    shutil.rmtree(storage / "race")
+    claim_name(plan)  # a free name is taken
+    assert (storage / "race").is_dir()
