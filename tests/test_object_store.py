@@ -121,7 +121,6 @@ def saved_states(env: dict[str, str], prefix: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
     steps, every = 120, 10
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=3, max_steps=steps)
