@@ -316,6 +316,28 @@ def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                 os.environ[name] = value
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread per process, in this one and (OMP_NUM_THREADS) in the CLI's subprocesses,
+    as gptrun's Ray trials and workers already have with one CPU each. The tests' models are tiny:
+    a second thread saves little, and on a busy machine its waits at every op cost far more (the
+    optimizer test took 13-45 s with two threads beside other work, 1 s with one). It also keeps
+    float sums in one order on every machine."""
+    import torch
+
+    threads, saved = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
 # Tiers, cheapest first. A test's tier is the most expensive thing it uses, read from its code, the
 # code of its fixtures and of the helpers of this folder that these call, and its marks: nobody
 # keeps a list of tests, a new test lands in its tier by itself.
