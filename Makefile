@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install demo chat-demo test test-services lint clean
+.PHONY: install demo chat-demo test test-fast test-train test-ray test-system test-services lint clean
 
 install: $(VENV)/.installed
 
@@ -52,8 +52,23 @@ chat-demo: install
 	$(BIN)/gptrun export runs/quickstart-lora/checkpoints/best.pt --hf exports/quickstart-lora --force
 	HF_HUB_OFFLINE=1 $(BIN)/python -c "$$HF_GENERATE" exports/quickstart-lora
 
+# Every test, in one session (CI). The tiers (tests/conftest.py marks each test from what it uses):
+# fast (no training, no Ray: a couple of minutes), train (CPU training), ray (local Ray), system
+# (kill-and-resume, clusters, PostgreSQL, S3, Slurm).
 test: install test-services
 	$(BIN)/python -m pytest -q --durations=30 tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m fast tests
+
+test-train: install
+	$(BIN)/python -m pytest -q --durations=10 -m train tests
+
+test-ray: install
+	$(BIN)/python -m pytest -q --durations=10 -m ray tests
+
+test-system: install test-services
+	$(BIN)/python -m pytest -q --durations=10 -m system tests
 
 # Debian packages, installed as root with apt when missing (as on CI); elsewhere a note says how.
 define apt_install

@@ -1,7 +1,10 @@
-"""Shared fixtures: a tiny prepared corpus and helpers to run the real CLI in a subprocess."""
+"""Shared fixtures: a tiny prepared corpus and helpers to run the real CLI in a subprocess; the
+session's own gptrun cache; and the hook that sorts every test into its tier."""
 
 from __future__ import annotations
 
+import dis
+import inspect
 import json
 import os
 import pickle
@@ -9,7 +12,9 @@ import random
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable
+import types
+from collections.abc import Iterable, Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +181,9 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tiny_config_text(data_dir: Path, out_dir: Path, **train: object) -> str:
-    """An experiment TOML for a ~60k-parameter model on `tiny_data`."""
+    """An experiment TOML for a ~60k-parameter model on `tiny_data`, in fp32 and eager unless
+    `train` says otherwise: `auto` would decide from what this machine measures."""
+    train = {"precision": "fp32", "compile": False, **train}
     lines = [
         '[model]\npreset = "tiny"\nvocab_size = 384\nseq_len = 32',
         f'[data]\ndir = "{data_dir}"',
@@ -184,8 +191,12 @@ def tiny_config_text(data_dir: Path, out_dir: Path, **train: object) -> str:
         "[train]\nbatch_size = 4\nmax_steps = 12\neval_interval = 4\neval_tokens = 2048\n"
         f'log_interval = 4\ndevice = "cpu"\nout = "{out_dir}"',
     ]
-    lines[-1] += "".join(f"\n{k} = {v!r}".replace("'", '"') for k, v in train.items())
+    lines[-1] += "".join(f"\n{k} = {toml_value(v)}" for k, v in train.items())
     return "\n\n".join(lines) + "\n"
+
+
+def toml_value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value).replace("'", '"')
 
 
 SWEEP = """
@@ -283,3 +294,141 @@ def pretrained(tiny_data, tmp_path_factory) -> Path:
     trainer = Trainer(load_config(config, ["train.precision=fp32", "train.max_steps=8"]), log=None)
     trainer.fit()
     return save_checkpoint(root / "base.pt", trainer.state_dict())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A gptrun cache of the session's own ($GPTRUN_CACHE_DIR: corpora, measured CPU peaks and
+    bf16 speedups, compile costs, torch's compile cache), so that no test reads or writes the
+    user's, and what one machine or an earlier run measured cannot change what a test does. Set
+    in the environment, so the CLI's subprocesses, the Ray they start and its workers inherit it."""
+    cache = tmp_path_factory.mktemp("gptrun-cache")
+    saved = {name: os.environ.get(name) for name in ("GPTRUN_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    os.environ["GPTRUN_CACHE_DIR"] = str(cache)
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # gptrun puts it in the cache above
+    try:
+        yield cache
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread per process, in this one and (OMP_NUM_THREADS) in the CLI's subprocesses,
+    as gptrun's Ray trials and workers already have with one CPU each. The tests' models are tiny:
+    a second thread saves little, and on a busy machine its waits at every op cost far more (the
+    optimizer test took 13-45 s with two threads beside other work, 1 s with one). It also keeps
+    float sums in one order on every machine."""
+    import torch
+
+    threads, saved = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+# Tiers, cheapest first. A test's tier is the most expensive thing it uses, read from its code, the
+# code of its fixtures and of the helpers of this folder that these call, and its marks: nobody
+# keeps a list of tests, a new test lands in its tier by itself.
+TIERS = ("fast", "train", "ray", "system")
+# The names whose use puts a test in a tier.
+USES = {
+    "Trainer": "train",  # gptcore's training loop, in this process
+    "train_local": "train",
+    "spawn": "train",  # torch.multiprocessing.spawn: DDP ranks on CPU
+    "coord_check": "train",  # µP's coordinate check trains 96 small models
+    "train_on_ray": "ray",
+    "SIGKILL": "system",  # kill-and-resume tests
+    "LocalCluster": "system",  # cluster/local.sh's multi-node clusters
+    "postgres_server": "system",
+    "slurm_cluster": "system",
+    "ThreadedMotoServer": "system",  # S3
+}
+# `gptrun` subcommands run in a subprocess (`run_cli(COMMAND, ...)` or `python -m experiments
+# COMMAND ...`): `train` without `--local` runs on Ray.
+COMMANDS = {"sweep": "ray", "resume": "ray", "confirm": "ray", "train": "train", "sample": "train"}
+# The instructions that load a global, an attribute, a module or a name imported from one.
+NAME_OPS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD", "IMPORT_NAME", "IMPORT_FROM"}
+MARKS = {"slow": "system"}  # a mark set by hand that says at least this much
+# pytest-timeout's bound by tier, for a test that sets none (pyproject's 900 s is the default).
+TIMEOUTS = {"fast": 300, "train": 600, "ray": 1200, "system": 1800}
+
+
+def in_tests(func: Any) -> bool:
+    """Whether `func` is a function of this folder (not pytest's or a library's)."""
+    code = getattr(func, "__code__", None)
+    return code is not None and Path(code.co_filename).parent == REPO / "tests"
+
+
+def code_uses(code: types.CodeType, namespace: dict[str, Any], seen: set[int]) -> list[tuple[str, str]]:
+    """What `code` loads, in order, as ("name", name) and ("const", string) pairs, then what its
+    nested functions and the functions of this folder it names in `namespace` (its module's
+    globals) load, followed transitively."""
+    found: list[tuple[str, str]] = []
+    for instruction in dis.get_instructions(code):
+        value = instruction.argval
+        if instruction.opname == "LOAD_CONST":
+            strings = value if isinstance(value, tuple) else (value,)
+            found += [("const", v) for v in strings if isinstance(v, str)]
+        elif isinstance(value, str) and instruction.opname in NAME_OPS:
+            found.append(("name", value))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found += code_uses(const, namespace, seen)
+    for name in code.co_names:
+        helper = inspect.unwrap(namespace.get(name)) if callable(namespace.get(name)) else None
+        if in_tests(helper) and id(helper.__code__) not in seen:
+            seen.add(id(helper.__code__))
+            found += code_uses(helper.__code__, helper.__globals__, seen)
+    return found
+
+
+def tier_of(functions: Iterable[Any], marks: Iterable[str] = ()) -> str:
+    """The tier of a test made of `functions` (the test and its fixtures) and carrying `marks`."""
+    seen: set[int] = set()
+    uses = [use for f in functions if in_tests(f) for use in code_uses(f.__code__, f.__globals__, seen)]
+    found = {"fast"} | {USES[name] for kind, name in uses if kind == "name" and name in USES}
+    for before, (kind, value) in pairwise(uses):
+        if before == ("name", "ray") and value == "init":  # a Ray of the test's own
+            found.add("ray")
+        if (
+            before in (("name", "run_cli"), ("const", "experiments"))
+            and kind == "const"
+            and value in COMMANDS
+        ):
+            local = ("const", "--local") in uses
+            found.add("ray" if value == "train" and not local else COMMANDS[value])
+    found |= {MARKS[mark] for mark in marks if mark in MARKS}
+    return max(found, key=TIERS.index)
+
+
+def item_tier(item: pytest.Function) -> str:
+    fixtures = [
+        definition.func
+        for name in item.fixturenames
+        for definition in item._fixtureinfo.name2fixturedefs.get(name, ())
+    ]
+    return tier_of([item.function, *fixtures], [mark.name for mark in item.iter_markers()])
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its tier (`pytest -m fast`, ...; the marks are described in
+    pyproject.toml)."""
+    for item in items:
+        if isinstance(item, pytest.Function):
+            tier = item_tier(item)
+            item.add_marker(tier)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(TIMEOUTS[tier]))

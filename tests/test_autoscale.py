@@ -79,6 +79,7 @@ def elastic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     seen = list(lc.state["nodes"])
     try:
         yield lc
+        assert_down_leaves_no_process(lc)  # after whichever test ran last, the autoscaler's nodes too
     finally:
         if (state / "state.json").exists():
             local_sh("down", "--grace", "10", state=state)
@@ -116,7 +117,6 @@ def alive_workers(lc: LocalCluster) -> set[str]:
     return {n["node_id"] for n in cluster_view(lc)["nodes"] if n["alive"] and not n["head"]}
 
 
-@pytest.mark.ray
 def test_plan_shows_what_the_cluster_can_grow_to(elastic, tiny_data, tmp_path):
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=8)
     args = ["plan", str(config), "--address", elastic.address, "--tokens-per-sec", "1000"]
@@ -128,7 +128,6 @@ def test_plan_shows_what_the_cluster_can_grow_to(elastic, tiny_data, tmp_path):
     )
 
 
-@pytest.mark.ray
 def test_a_trial_no_node_type_can_hold_is_refused_in_seconds(elastic, tiny_data, tmp_path):
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
     storage = tmp_path / "sweeps"
@@ -142,7 +141,6 @@ def test_a_trial_no_node_type_can_hold_is_refused_in_seconds(elastic, tiny_data,
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_sweep_grows_the_cluster_from_nothing_and_lets_it_shrink(elastic, tiny_data, tmp_path):
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=24)
     storage = tmp_path / "sweeps"
@@ -212,7 +210,6 @@ print(json.dumps([[t.state, t.error_type] for t in tasks]))
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_shared_storage_check_cancels_the_tasks_nodes_did_not_answer(elastic, tmp_path):
     """A node whose raylet is stopped cannot answer the check in time: its marker reader, still
     queued when the check gives up, is cancelled, not left to run once the node is back."""
@@ -228,9 +225,3 @@ def test_shared_storage_check_cancels_the_tasks_nodes_did_not_answer(elastic, tm
     cancelled = [t for t in tasks if t == ["FAILED", "TASK_CANCELLED"]]
     assert len(tasks) >= 2 and len(cancelled) == int(unanswered[1]) >= 1, tasks  # none ran later
     assert not list(tmp_path.glob(".gptrun-shared-check-*"))
-
-
-@pytest.mark.ray
-def test_down_leaves_no_process(elastic):
-    """Last in the module: stops the cluster, the nodes its autoscaler added included."""
-    assert_down_leaves_no_process(elastic)

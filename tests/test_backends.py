@@ -36,8 +36,6 @@ from tests.test_sweep import (
     trial_records,
 )
 
-pytestmark = pytest.mark.ray
-
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[Postgres]:

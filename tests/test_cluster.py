@@ -280,6 +280,8 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster
     seen: list[dict[str, Any]] = list(lc.state["nodes"])
     try:
         yield lc
+        seen += lc.state["nodes"]
+        assert_down_leaves_no_process(lc)  # after whichever test ran last
     finally:
         if (state / "state.json").exists():
             seen += lc.state["nodes"]
@@ -341,7 +343,6 @@ def start_sweep(args: list[str], env: dict[str, str], log: Path) -> subprocess.P
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 @pytest.mark.parametrize("token", ["none", "wrong"])
 def test_client_without_the_token_is_refused(two_nodes, tiny_data, tmp_path, token):
     config = tmp_path / "exp.toml"
@@ -360,7 +361,6 @@ def test_client_without_the_token_is_refused(two_nodes, tiny_data, tmp_path, tok
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_status_lists_both_nodes_alive(two_nodes):
     proc = local_sh("status", state=two_nodes.dir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -370,7 +370,6 @@ def test_status_lists_both_nodes_alive(two_nodes):
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_sweep_runs_trials_on_both_nodes(two_nodes, tiny_data, tmp_path):
     """Trials of 2 CPUs on 2-CPU nodes: the two that run at once cannot share a node."""
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=48)
@@ -390,7 +389,6 @@ def test_sweep_runs_trials_on_both_nodes(two_nodes, tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_lost_worker_node_trials_resume_from_their_checkpoints(two_nodes, tiny_data, tmp_path):
     steps = 400
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=4, max_steps=steps)
@@ -453,7 +451,6 @@ def test_lost_worker_node_trials_resume_from_their_checkpoints(two_nodes, tiny_d
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_killed_driver_is_resumed_on_the_cluster(two_nodes, tiny_data, tmp_path):
     steps = 200
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=3, max_steps=steps)
@@ -489,7 +486,6 @@ def test_killed_driver_is_resumed_on_the_cluster(two_nodes, tiny_data, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_storage_a_node_does_not_see_is_refused_naming_the_node(two_nodes, tiny_data, tmp_path, monkeypatch):
     """A third node sees its own empty tmpfs over the --storage folder (its raylet and workers run
     in a private mount namespace), as a node that has a local disk where the others mount NFS
@@ -544,7 +540,6 @@ with ray_session(sys.argv[1]):
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path):
     """A DDP trial's TorchTrainer is built in its Tune trial actor, which has its raylet's
     environment, and Ray Train passes on what that process's environment holds: the settings
@@ -569,7 +564,6 @@ def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_a_node_without_the_data_is_refused_naming_the_node(two_nodes, tiny_data, tmp_path, monkeypatch):
     """A third node sees an empty tmpfs over data.dir (as a node without the data mount would):
     `gptrun train` and `gptrun sweep` refuse in one line naming it, before any trial starts."""
@@ -602,16 +596,10 @@ def test_a_node_without_the_data_is_refused_naming_the_node(two_nodes, tiny_data
         assert local.stop_node(node, grace=10) == []
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_down_leaves_no_process(two_nodes):
-    """Last in the module: stops the shared cluster."""
-    assert_down_leaves_no_process(two_nodes)
-
-
 def assert_down_leaves_no_process(lc: LocalCluster) -> None:
     """`down` stops every process of the cluster's nodes' sessions (on an autoscaling cluster,
-    the nodes the autoscaler added too: they live in the head's session)."""
+    the nodes the autoscaler added too: they live in the head's session). Checked as the
+    cluster's fixture ends: a failure is an error in the teardown of the module's last test."""
     nodes = lc.state["nodes"]
     assert lc.pids(nodes)
     proc = local_sh("down", state=lc.dir)

@@ -108,7 +108,7 @@ def test_compile_is_auto_true_or_false_and_anything_else_is_one_line():
 
 def test_auto_stays_eager_for_a_short_run_and_says_why(tiny_data, tmp_path, cache):
     logs: list[str] = []
-    trainer = Trainer(make_config(tiny_data, tmp_path), log=logs.append)
+    trainer = Trainer(make_config(tiny_data, tmp_path, "train.compile=auto"), log=logs.append)
     trainer.fit(stop_at_step=1)
     assert trainer.step_model is trainer.model
     line = next(entry for entry in logs if entry.startswith("compile "))
@@ -166,7 +166,7 @@ def test_compiled_runs_resume_and_checkpoints_cross_modes(tiny_data, tmp_path, c
 
 
 def test_auto_compiles_when_the_cached_cost_says_it_pays(tiny_data, tmp_path, cache):
-    cfg = make_config(tiny_data, tmp_path)
+    cfg = make_config(tiny_data, tmp_path, "train.compile=auto")
     key = autocompile.cost_key(torch.device("cpu"), cfg, "fp32")
     autocompile.record(key, CompileCost(seconds=1e-6, speedup=50.0, source="measured"))
     assert autocompile.expected_cost(key, torch.device("cpu")) == CompileCost(1e-6, 50.0, "measured")

@@ -190,7 +190,6 @@ def _confirm_trial_dirs(exp_dir: Path) -> list[Path]:
     return sorted(p for p in (exp_dir / "confirm").iterdir() if p.name.startswith("trial_"))
 
 
-@pytest.mark.ray
 def test_sweep_reruns_its_best_configs_with_new_seeds(finished_sweep: Path) -> None:
     noise = json.loads((finished_sweep / "noise.json").read_text())
     candidates = ranked(load_trials(finished_sweep))  # completed, then stopped early
@@ -224,7 +223,6 @@ def test_sweep_reruns_its_best_configs_with_new_seeds(finished_sweep: Path) -> N
     assert "confirm" in log and "Welch p =" in log and "seed noise: std" in log
 
 
-@pytest.mark.ray
 def test_confirm_command_resumes_the_same_plan_and_refuses_another(finished_sweep: Path) -> None:
     before = _confirm_trial_dirs(finished_sweep)
     proc = run_cli("confirm", str(finished_sweep), "--top", "2", "--seeds", "2", timeout=300)
@@ -237,7 +235,6 @@ def test_confirm_command_resumes_the_same_plan_and_refuses_another(finished_swee
     assert_user_error(run_cli("confirm", str(finished_sweep / "runs")), "not a gptrun sweep")
 
 
-@pytest.mark.ray
 def test_report_shows_the_noise(finished_sweep: Path, tmp_path: Path) -> None:
     from matplotlib.image import imread
 
@@ -252,7 +249,6 @@ def test_report_shows_the_noise(finished_sweep: Path, tmp_path: Path) -> None:
     assert "has not been measured" not in page
 
 
-@pytest.mark.ray
 def test_mlflow_gets_one_run_per_trial_with_params_and_metrics(finished_sweep: Path) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -266,7 +262,6 @@ def test_mlflow_gets_one_run_per_trial_with_params_and_metrics(finished_sweep: P
             assert math.isfinite(run.data.metrics["val_loss"])
 
 
-@pytest.mark.ray
 def test_tensorboard_hparams_for_every_trial(finished_sweep: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -145,7 +145,6 @@ def saved_states(env: dict[str, str], prefix: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
     steps, every = 120, 10
     config = write_sweep_config(tiny_data, tmp_path / "cfg", n=3, max_steps=steps)
@@ -224,7 +223,6 @@ def test_sweep_in_s3_survives_a_killed_driver(s3, tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_kill_anywhere_in_s3(s3, tiny_data, tmp_path, monkeypatch):
     """tests/test_sweep.py's kill-anywhere test on the moto server, at the moments where the
     object store's background uploads matter: right after a trial ends, right after ASHA stops

@@ -20,8 +20,6 @@ from experiments.train import build_trainer, train_on_ray
 from gptcore.errors import UserError
 from tests.conftest import REPO, assert_user_error, committed_step, run_cli, tiny_config_text
 
-pytestmark = pytest.mark.ray
-
 
 @pytest.fixture(scope="module")
 def ray_local():
@@ -87,6 +85,7 @@ def test_killed_worker_restarts_from_checkpoint_and_finishes(ray_local, tiny_dat
     deadline = time.monotonic() + 120
     while committed_step(storage / "killed") < 10 and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert committed_step(storage / "killed") >= 10, "no checkpoint at step 10 was committed"
     pids = train_worker_pids()
     assert len(pids) == 2, pids
     os.kill(pids[1], signal.SIGKILL)

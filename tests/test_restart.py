@@ -78,7 +78,6 @@ def test_replace_study_without_restart_is_one_line(tiny_data, tmp_path):
     assert_user_error(proc, "--replace-study goes with --restart")
 
 
-@pytest.mark.ray
 def test_confirm_restart_keeps_the_old_confirm_until_the_cluster_answers(finished_sweep, tmp_path):
     copy = tmp_path / "finished"
     shutil.copytree(finished_sweep, copy)

@@ -164,7 +164,6 @@ def test_cli_refuses_a_different_space_before_ray_starts(tiny_data, tmp_path):
     assert not (tmp_path / "sweeps" / "sweep").exists()  # nothing written
 
 
-@pytest.mark.ray
 def test_warm_started_sweep_from_the_cli_resumes_without_a_second_history(
     finished_sweep, tiny_data, tmp_path
 ):
