@@ -303,7 +303,7 @@ class Sweep:
                         f"trial #{number} ended {before} before a kill {snap.moment}, now {now}"
                     )
         rows = self.rows()
-        for snap in self.snapshots:
+        for k, snap in enumerate(self.snapshots):
             for number, (tune_id, step, n_rows) in snap.unfinished.items():
                 record = records[number][1] if number in records else None
                 if record is None or record.tune_id != tune_id:  # run again under a new Tune trial
@@ -312,7 +312,14 @@ class Sweep:
                             f"trial #{number} had a checkpoint at step {step} and ran again from 0"
                         )
                     continue
-                later = [r for r in rows.get(tune_id, [])[n_rows:] if "resumed_from" in r]
+                # The rows of the next run only: up to the trial's row count at the next kill
+                # (a run killed before it wrote a row says nothing; the run after it is checked
+                # against that kill's snapshot).
+                until = next(
+                    (s.unfinished[number][2] for s in self.snapshots[k + 1 :] if number in s.unfinished),
+                    None,
+                )
+                later = [r for r in rows.get(tune_id, [])[n_rows:until] if "resumed_from" in r]
                 if later and int(later[0]["resumed_from"]) != step:
                     v.repeated.append(
                         f"trial {tune_id} (killed {snap.moment}) resumed from step "

@@ -197,6 +197,7 @@ def assert_resumed_study(rows: list[tuple[str, str]], after: dict) -> None:
     assert {state for _, state in rows} == {"COMPLETE"}, rows
 
 
+@pytest.mark.slow  # kill tests are the system tier
 def test_kill_anywhere(tiny_data, tmp_path):
     """The driver SIGKILLed at chosen moments (right after a trial starts, during a resume, right
     after a trial ends and after ASHA stops one, while a checkpoint is written, at the very end),
