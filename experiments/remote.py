@@ -230,6 +230,8 @@ def upload_soon(folder: Path, name: str, *, now: bool = False) -> None:
     import time
 
     path = folder / name
+    if not path.exists():  # nothing written yet
+        return
     if not now and time.monotonic() - _uploaded.get(path, float("-inf")) < BATCH_S:
         return
     try:

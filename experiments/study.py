@@ -37,6 +37,7 @@ class StudySearch(OptunaSearch):
         self._full_tokens, self._num_samples = full_tokens, num_samples
         self._reported: dict[str, int] = {}  # trial id -> last tokens reported to Optuna
         self._orphans: list[int] = []  # storage ids of trials asked that Tune never saved
+        self._resumed = False  # restored from Tune's saved state (`restore`)
 
     def suggest(self, trial_id: str) -> dict | str | None:
         import optuna
@@ -45,8 +46,8 @@ class StudySearch(OptunaSearch):
         if trial_id not in trials:
             if self._orphans:  # asked by a killed driver after Tune's last snapshot: run it now
                 trials[trial_id] = optuna.Trial(study, self._orphans.pop(0))
-            elif len(own_trials(study)) >= self._num_samples:  # ended before Tune saved them
-                return Searcher.FINISHED
+            elif self._resumed and self._asked(study) >= self._num_samples:
+                return Searcher.FINISHED  # some ended between Tune's last snapshot and the kill
         params = super().suggest(trial_id)
         trials[trial_id].set_user_attr(TUNE_ID, trial_id)
         trials[trial_id].set_user_attr(CONFIG, params)
@@ -58,7 +59,7 @@ class StudySearch(OptunaSearch):
         import optuna
 
         study, known = optuna_study(self), optuna_trials(self)
-        self._orphans = []  # the saved ones are as old as the snapshot: found again below
+        self._orphans, self._resumed = [], True  # the saved orphans are as old as the snapshot
         # The sampler's random state is as old too: it would draw again the values of the
         # trials asked since (and TPE's random start-up draws from it alone).
         study.sampler.reseed_rng()
@@ -71,6 +72,11 @@ class StudySearch(OptunaSearch):
                 told_trials(self).add(record.tune_id)
             elif record.tune_id not in known:
                 self._orphans.append(storage_trial_id(trial))
+
+    @staticmethod
+    def _asked(study: Any) -> int:
+        """How many trials this sweep has asked (an enqueued baseline not yet asked is WAITING)."""
+        return sum(t.state.name != "WAITING" for t in own_trials(study))
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         if trial_id in told_trials(self) or trial_id not in optuna_trials(self):
