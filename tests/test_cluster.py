@@ -492,18 +492,7 @@ def test_storage_a_node_does_not_see_is_refused_naming_the_node(two_nodes, tiny_
     would: `gptrun train` refuses in one line that names the node, before anything trains."""
     storage = tmp_path / "storage"
     storage.mkdir()
-    local = two_nodes.local
-    plain = local.ray_command()
-    hide = 'mount -t tmpfs gptrun-hidden "$0" && exec "$@"'  # $0: the folder, $@: ray start ...
-    monkeypatch.setattr(
-        local, "ray_command", lambda: ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide,
-                                       str(storage), *plain],
-    )  # fmt: skip
-    # Started from a copy of the state: `down` never hears of this node, stopped below.
-    node = local.start_node(two_nodes.dir, two_nodes.state, "blind", 1, 0)
-    try:
-        local.wait_started(node, 60)
-        wait_for(lambda: "alive: 3 node(s)" in local_sh("status", state=two_nodes.dir).stdout, 60, "3 nodes")
+    with node_without(two_nodes, monkeypatch, storage, "blind"):
         config = tmp_path / "exp.toml"
         config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
         args = ["train", str(config), "--address", two_nodes.address, "--storage", str(storage)]
@@ -513,6 +502,25 @@ def test_storage_a_node_does_not_see_is_refused_naming_the_node(two_nodes, tiny_
         assert named.count("(") == 1, named  # one node, and not one of the two that share the disk
         assert not any(n["node_id"][:8] in named for n in two_nodes.state["nodes"]), named
         assert list(storage.iterdir()) == []  # no run folder, and the check's marker is gone
+
+
+@contextlib.contextmanager
+def node_without(two_nodes: LocalCluster, monkeypatch: Any, folder: Path, name: str) -> Iterator[None]:
+    """A third node whose raylet and workers see an empty tmpfs over `folder` (a private mount
+    namespace), as a node without a mount the others have would; started from a copy of the
+    state (`down` never hears of it) and stopped on the way out."""
+    local = two_nodes.local
+    plain = local.ray_command()
+    hide = 'mount -t tmpfs gptrun-hidden "$0" && exec "$@"'  # $0: the folder, $@: ray start ...
+    monkeypatch.setattr(
+        local, "ray_command", lambda: ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide,
+                                       str(folder), *plain],
+    )  # fmt: skip
+    node = local.start_node(two_nodes.dir, two_nodes.state, name, 1, 0)
+    try:
+        local.wait_started(node, 60)
+        wait_for(lambda: "alive: 3 node(s)" in local_sh("status", state=two_nodes.dir).stdout, 60, "3 nodes")
+        yield
     finally:
         assert local.stop_node(node, grace=10) == []
 
@@ -567,17 +575,7 @@ def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path):
 def test_a_node_without_the_data_is_refused_naming_the_node(two_nodes, tiny_data, tmp_path, monkeypatch):
     """A third node sees an empty tmpfs over data.dir (as a node without the data mount would):
     `gptrun train` and `gptrun sweep` refuse in one line naming it, before any trial starts."""
-    local = two_nodes.local
-    plain = local.ray_command()
-    hide = 'mount -t tmpfs gptrun-hidden "$0" && exec "$@"'
-    monkeypatch.setattr(
-        local, "ray_command", lambda: ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide,
-                                       str(tiny_data), *plain],
-    )  # fmt: skip
-    node = local.start_node(two_nodes.dir, two_nodes.state, "nodata", 1, 0)
-    try:
-        local.wait_started(node, 60)
-        wait_for(lambda: "alive: 3 node(s)" in local_sh("status", state=two_nodes.dir).stdout, 60, "3 nodes")
+    with node_without(two_nodes, monkeypatch, tiny_data, "nodata"):
         env = two_nodes.client_env(tmp_path)
         config = tmp_path / "exp.toml"
         config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
@@ -592,8 +590,6 @@ def test_a_node_without_the_data_is_refused_naming_the_node(two_nodes, tiny_data
             assert re.search(one_node, proc.stderr), proc.stderr
             assert not any(n["node_id"][:8] in proc.stderr for n in two_nodes.state["nodes"]), proc.stderr
         assert not list(storage.rglob("checkpoint*"))  # no trial ran
-    finally:
-        assert local.stop_node(node, grace=10) == []
 
 
 def assert_down_leaves_no_process(lc: LocalCluster) -> None:
