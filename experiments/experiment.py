@@ -67,7 +67,11 @@ def trial_dirname(trial: Any) -> str:
     function into its saved state by reference, and whoever reads that state (`gptrun report`)
     imports its module: it lives here, beside the other names of the folder, and not with the
     Tuner (which brings Ray Train and torch)."""
-    return f"trial_{trial.trial_id}"
+    return trial_folder_name(trial.trial_id)
+
+
+def trial_folder_name(trial_id: str) -> str:
+    return f"trial_{trial_id}"
 
 
 def is_experiment(exp_dir: Path) -> bool:

@@ -17,6 +17,8 @@ What each Optuna trial of the sweep holds (warm-start copies carry `warm_start_f
 
     params                its sampled values, from the moment it is asked
     tune_trial_id         the Tune trial that runs it (a resume can hand it to a new one)
+    continues             the Tune trials that ran it before that, oldest first (a killed driver
+                          had started it after Tune's last snapshot): their checkpoints are its
     config                its sampled values as Tune's trial config (what the tables show)
     intermediate values   its val loss at each evaluation, keyed by tokens seen
     status, final         how it ended (`experiments.outcome`) and its last report, written just
@@ -24,7 +26,8 @@ What each Optuna trial of the sweep holds (warm-start copies carry `warm_start_f
     state, value          RUNNING until it ends, then COMPLETE / PRUNED / FAIL
 
 `gptrun resume` reconciles Tune to it (`experiments.study`, `experiments.trial`): an ended trial
-stays ended with its result; a trial asked but never saved by Tune is run under a new Tune trial.
+stays ended with its result; a trial asked but never saved by Tune is run under a new Tune trial,
+from the newest checkpoint it wrote under the old one.
 The report, `confirm`, `transfer` and warm starts read each trial's status and result from it.
 """
 
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 TUNE_ID, CONFIG, STATUS, FINAL = "tune_trial_id", "config", "status", "final"
+CONTINUES = "continues"
 WARM_FROM = "warm_start_from"  # a trial copied from another sweep's study (`warm_start`)
 # What a trial's record keeps of its last report: what the tables, the report and a replay need.
 FINAL_KEYS = (
@@ -67,6 +71,7 @@ class TrialRecord:
     status: str = ""  # how it ended (`experiments.outcome.STATUSES`); '' while it runs
     final: dict[str, Any] = field(default_factory=dict)  # its last report
     config: dict[str, Any] = field(default_factory=dict)
+    continues: list[str] = field(default_factory=list)  # Tune trials that ran it before `tune_id`
 
     @property
     def ended(self) -> bool:
@@ -89,6 +94,7 @@ def record_of(trial: Any) -> TrialRecord:
         status=attrs.get(STATUS, ""),
         final=attrs.get(FINAL, {}),
         config=attrs.get(CONFIG, {}),
+        continues=attrs.get(CONTINUES, []),
     )
 
 

@@ -14,7 +14,8 @@ each trial's life (`experiments.record` says what it holds and why it is the aut
 - on a resume (`restore`), Tune's saved state may be older than the study: the trials the study
   saw end are not told again (`gptrun resume` ends their Tune trials with the recorded result,
   see `experiments.trial`), a half-told end is finished, and the trials asked after Tune's last
-  snapshot are handed to the next new Tune trials, so that they run instead of being dropped.
+  snapshot are handed to the next new Tune trials, so that they run instead of being dropped,
+  each from the newest checkpoint it wrote under its old Tune trial (`continues`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from experiments.outcome import ended_status, study_verdict
 from experiments.private_api import optuna_study, optuna_trials, storage_trial_id, told_trials
-from experiments.record import CONFIG, FINAL, STATUS, TUNE_ID, final_result, own_trials, record_of
+from experiments.record import CONFIG, CONTINUES, FINAL, STATUS, TUNE_ID, final_result, own_trials, record_of
 from experiments.storage import rdb_storage, shown_url
 from gptcore.errors import UserError
 
@@ -36,7 +37,8 @@ class StudySearch(OptunaSearch):
         super().__init__(**kwargs)
         self._full_tokens, self._num_samples = full_tokens, num_samples
         self._reported: dict[str, int] = {}  # trial id -> last tokens reported to Optuna
-        self._orphans: list[int] = []  # storage ids of trials asked that Tune never saved
+        self._orphans: list[tuple[int, list[str]]] = []  # trials Tune never saved: (storage id,
+        # the Tune trials that ran them, oldest first)
         self._resumed = False  # restored from Tune's saved state (`restore`)
 
     def suggest(self, trial_id: str) -> dict | str | None:
@@ -45,7 +47,10 @@ class StudySearch(OptunaSearch):
         study, trials = optuna_study(self), optuna_trials(self)
         if trial_id not in trials:
             if self._orphans:  # asked by a killed driver after Tune's last snapshot: run it now
-                trials[trial_id] = optuna.Trial(study, self._orphans.pop(0))
+                storage_id, earlier = self._orphans.pop(0)
+                trials[trial_id] = optuna.Trial(study, storage_id)
+                # Its checkpoints are in their folders (`NewestCheckpoints`).
+                trials[trial_id].set_user_attr(CONTINUES, earlier)
             elif self._resumed and self._asked(study) >= self._num_samples:
                 return Searcher.FINISHED  # some ended between Tune's last snapshot and the kill
         params = super().suggest(trial_id)
@@ -71,7 +76,8 @@ class StudySearch(OptunaSearch):
             if record.ended:
                 told_trials(self).add(record.tune_id)
             elif record.tune_id not in known:
-                self._orphans.append(storage_trial_id(trial))
+                earlier = record.continues + [record.tune_id] if record.tune_id else record.continues
+                self._orphans.append((storage_trial_id(trial), earlier))
 
     @staticmethod
     def _asked(study: Any) -> int:

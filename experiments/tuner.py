@@ -64,7 +64,7 @@ def new_tuner(
     )
     callbacks = [
         TrialEvents(exp_dir, trial_tokens(cfg), tune_config.time_budget_s),  # confirm: no budget
-        NewestCheckpoints(),  # a resume continues each trial from its newest checkpoint
+        NewestCheckpoints(exp_dir, study_url(cfg, exp_dir)),  # each trial from its newest checkpoint
         *tracking_callbacks(cfg, tracking_name or exp_dir.name, exp_dir),
     ]
     storage_path, _, name = remote.location(exp_dir).rpartition("/")
@@ -102,9 +102,10 @@ def restore_tuner(cfg: RayExperiment, space: Any, exp_dir: Path) -> Any:
 
 def snapshot_often() -> None:
     """Tune snapshots its experiment state every `TUNE_GLOBAL_CHECKPOINT_S` seconds (by default
-    at least 10 s apart). A trial asked after the last snapshot is run again from step 0 by a
-    resume (its sampled values kept, `StudySearch.restore`): every second keeps that loss to a
-    second, for what docs/sweeps.md measures as a cost within noise."""
+    at least 10 s apart). A trial asked after the last snapshot is run by a resume under a new
+    Tune trial (its sampled values and checkpoints kept, `StudySearch.restore`), and the work
+    since its last checkpoint is lost: every second keeps such trials rare, for what
+    docs/sweeps.md measures as a cost within noise."""
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.kill_anywhere import kill_sweep
 from experiments.config import load_experiment
 from tests.conftest import REPO, assert_user_error, run_cli, study_trials, study_values, write_sweep_config
 
@@ -81,12 +82,9 @@ def kill_when(args: list[str], ready: Callable[[], bool], what: str) -> None:
                 pass
             os.kill(driver.pid, signal.SIGCONT)
             time.sleep(0.5)  # poll again
-        os.kill(driver.pid, signal.SIGKILL)
+    finally:  # the driver and the local Ray it started, by id, all gone before a resume
+        kill_sweep(driver)
         driver.wait(timeout=30)
-    finally:
-        # The local Ray instance the driver started lives in its process group: end it by id.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(driver.pid, signal.SIGKILL)
 
 
 def kill_when_interrupted(args: list[str], exp_dir: Path, steps: int, every: int) -> dict:
@@ -300,7 +298,9 @@ def test_resumed_sweep_past_its_budget_ends_each_trial_once(tiny_data, tmp_path)
     assert "cut by the sweep budget" in proc.stdout
     events = read_events(exp_dir)
     ends = [e["trial_id"] for e in events if e["event"] == "end"]
-    started = {e["trial_id"] for e in events if e["event"] == "start"}
+    # A trial started after Tune's last snapshot before the kill runs on under a new Tune trial.
+    continued = {e["trial_id"] for e in events if e["event"] == "continued"}
+    started = {e["trial_id"] for e in events if e["event"] == "start"} - continued
     reported = {t["trial_id"] for t in trials if t["tokens"] > 0}
     # Each trial that started ended once: the one the budget cut may not have reported yet.
     assert len(ends) == len(set(ends)) and set(ends) == started >= reported, (
@@ -402,3 +402,57 @@ def test_an_sft_sweep_over_lr_runs_from_a_pretrained_checkpoint(chat_data, pretr
     assert len(trials) == 3 and all(t["status"] in ("completed", "stopped early") for t in trials), trials
     best = (storage / "sft" / "best.toml").read_text()
     assert 'stage = "sft"' in best and str(pretrained) in best and "rank = 4" in best
+
+
+def test_a_trial_tune_never_saved_continues_from_its_checkpoint(tiny_data, tmp_path, monkeypatch):
+    """Tune told to save its state once an hour: the driver is killed once the second trial has
+    written a checkpoint that Tune's saved state does not know of. The resume runs that trial's
+    values under a new Tune trial from that checkpoint (`NewestCheckpoints`, `continues` in the
+    study), says so, and every trial that started is ended or continued exactly once."""
+    from experiments.experiment import read_events
+    from experiments.record import read_records
+    from experiments.results import load_trials
+    from gptcore.checkpoint import load_checkpoint
+
+    config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=120, sweep_keys="max_concurrent = 1")
+    exp_dir = tmp_path / "sweeps" / "unsaved"
+    args = [sys.executable, "-m", "experiments", "sweep", str(config), "--name", "unsaved"]
+    args += ["--storage", str(tmp_path / "sweeps"), "--set", "sweep.grace_tokens=100000000"]
+    args += ["--set", "train.eval_interval=20", "--set", "train.checkpoint_interval=20"]
+    unsaved: list[str] = []
+
+    def unsaved_trial_has_a_checkpoint() -> bool:
+        """A trial folder Tune's saved state does not know of: with the driver stopped, Tune
+        cannot save it, while the trial's process goes on to write its first checkpoint."""
+        saved = saved_trials(exp_dir)
+        new = [f for f in exp_dir.glob("trial_*") if saved and f.name.removeprefix("trial_") not in saved]
+        deadline = time.monotonic() + 60
+        while new and time.monotonic() < deadline:
+            if list(new[0].glob("checkpoint_*/checkpoint.pt")):
+                unsaved.append(new[0].name.removeprefix("trial_"))
+                return True
+            time.sleep(0.2)
+        return False
+
+    monkeypatch.setenv("TUNE_GLOBAL_CHECKPOINT_S", "3600")
+    kill_when(args, unsaved_trial_has_a_checkpoint, "a trial Tune never saved wrote a checkpoint")
+    (old_id,) = unsaved
+    newest = max((exp_dir / f"trial_{old_id}").glob("checkpoint_*/checkpoint.pt"))
+    newest_step = load_checkpoint(newest)["step"]
+    monkeypatch.delenv("TUNE_GLOBAL_CHECKPOINT_S")
+    proc = run_cli("resume", str(exp_dir), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    records = list(read_records(f"sqlite:///{exp_dir / 'optuna.db'}", exp_dir.name).values())
+    (moved,) = [r for r in records if r.continues]
+    assert moved.continues == [old_id] and moved.tune_id != old_id and moved.status == "completed"
+    rows = trial_records(exp_dir)[moved.tune_id]
+    assert rows[0]["resumed_from"] == newest_step, (newest_step, rows[0])
+    assert f"trial {moved.tune_id} runs the values of trial {old_id}" in proc.stdout
+    assert {t["trial_id"] for t in load_trials(exp_dir)} == {r.tune_id for r in records}
+    events = read_events(exp_dir)
+    started = {e["trial_id"] for e in events if e["event"] == "start"}
+    continued = {e["trial_id"]: e["as"] for e in events if e["event"] == "continued"}
+    ends = [e["trial_id"] for e in events if e["event"] == "end"]
+    assert continued == {old_id: moved.tune_id}
+    assert sorted(ends) == sorted(started - set(continued)), (ends, started, continued)
