@@ -21,6 +21,7 @@ from typing import Any
 
 import pyarrow.fs
 
+from experiments.private_api import reload_ray_auth
 from gptcore.errors import UserError
 
 PROBE_TIMEOUT_S = 10.0  # the gRPC probe's own cap (RESOURCE_WAIT_S bounds it further)
@@ -106,31 +107,69 @@ def ray_session(address: str | None = None, extra_local_cpus: int = 0) -> Iterat
     # trial's workers are still shutting down) that is too little, and a timed-out start leaks its
     # placement group, which then starves every later trial.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "900")
-    try:
-        if address is None:  # "local": never attach to another `ray start` on this machine
-            ray.init(
-                address="local",
-                runtime_env=job_runtime_env(),
-                num_cpus=(os.cpu_count() or 1) + extra_local_cpus,
-                # The dashboard serves Ray's state API, which Ray Train's placement-group
-                # cleaner needs: without it a trial that ASHA stops leaks its CPUs/GPUs.
-                include_dashboard=True,
-                dashboard_host="127.0.0.1",
-                logging_level="warning",
-                configure_logging=True,
-                log_to_driver=True,
-            )
-        else:
-            ray.init(address=address, logging_level="warning", runtime_env=job_runtime_env())
-    except ConnectionError as err:
-        raise UserError(
-            f"could not connect to a Ray cluster at {address!r} ({err}); start one "
-            "with `ray start --head` or pass the right --address"
-        ) from None
+    with contextlib.ExitStack() as local_token:  # removed after Ray has shut down
+        try:
+            if address is None:  # "local": never attach to another `ray start` on this machine
+                local_token.enter_context(private_token())
+                ray.init(
+                    address="local",
+                    runtime_env=job_runtime_env(),
+                    num_cpus=(os.cpu_count() or 1) + extra_local_cpus,
+                    # The dashboard serves Ray's state API, which Ray Train's placement-group
+                    # cleaner needs: without it a trial that ASHA stops leaks its CPUs/GPUs.
+                    include_dashboard=True,
+                    dashboard_host="127.0.0.1",
+                    logging_level="warning",
+                    configure_logging=True,
+                    log_to_driver=True,
+                )
+            else:
+                ray.init(address=address, logging_level="warning", runtime_env=job_runtime_env())
+        except ConnectionError as err:
+            raise UserError(
+                f"could not connect to a Ray cluster at {address!r} ({err}); start one "
+                "with `ray start --head` or pass the right --address"
+            ) from None
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+
+AUTH_SETTINGS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+@contextlib.contextmanager
+def private_token() -> Iterator[None]:
+    """Token auth for the local Ray a command starts, with a token only its owner can read.
+
+    Ray 2.60 turns token auth on for a new local instance, but writes the token it generates to
+    `~/.ray/auth_token` with the umask's mode (0644 on most machines): on a machine where home
+    folders are readable by others, any local user could read it, connect, and run code as the
+    sweep's owner. gptrun writes a fresh 256-bit token of its own, mode 0600 in a 0700 folder,
+    points Ray at it (RAY_AUTH_TOKEN_PATH, inherited by every process of that Ray), and deletes
+    it when the command ends. Where the user chose (any of `AUTH_SETTINGS` set), Ray's own
+    settings are left as they are."""
+    if any(os.environ.get(name) for name in AUTH_SETTINGS):
+        yield
+        return
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="gptrun-ray-token-"))  # mode 0700
+    path = folder / "auth_token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(path))
+    reload_ray_auth()
     try:
         yield
     finally:
-        ray.shutdown()
+        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"):
+            os.environ.pop(name, None)
+        reload_ray_auth()
+        path.unlink(missing_ok=True)
+        folder.rmdir()
 
 
 def check_cluster(address: str, timeout: float | None = None) -> str:

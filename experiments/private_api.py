@@ -79,3 +79,15 @@ def storage_trial_id(trial: Any) -> int:
     id)` takes to act on a trial asked by an earlier process: `_trial_id` (Optuna 5.1.0;
     tests/test_sweep.py `test_kill_anywhere`)."""
     return trial._trial_id
+
+
+def reload_ray_auth() -> None:
+    """Make this process read RAY_AUTH_MODE and its token again, once they are set or unset:
+    Ray caches its config in the process (refreshed with `ray._raylet.Config.initialize("")`, as
+    Ray 2.60.0 `ray._private.authentication.authentication_token_setup._enable_token_auth`
+    does) and the token it loaded (`AuthenticationTokenLoader.instance().reset_cache()`, as
+    `ensure_token_if_auth_enabled` does). tests/test_security.py."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()

@@ -391,6 +391,7 @@ USES = {
     "spawn": "train",  # torch.multiprocessing.spawn: DDP ranks on CPU
     "coord_check": "train",  # µP's coordinate check trains 96 small models
     "train_on_ray": "ray",
+    "ray_session": "ray",  # a Ray of the command's own (gptrun's `ray.init`)
     "SIGKILL": "system",  # kill-and-resume tests
     "kill_sweep": "system",  # the same, through benchmarks/kill_anywhere.py
     "LocalCluster": "system",  # cluster/local.sh's multi-node clusters

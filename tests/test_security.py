@@ -1,0 +1,57 @@
+"""The local Ray that gptrun starts takes a token that only its owner can read
+(`experiments.cluster.private_token`), and refuses a client without it: at its GCS (gptrun's
+probe, `ray.init`) and at the dashboard's job API (`ray job submit`)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from experiments.cluster import AUTH_SETTINGS, ray_session
+from tests.conftest import REPO
+
+PROBE = "from experiments.cluster import check_cluster; check_cluster({address!r})"
+TASK = "import ray; ray.init(address={address!r}); print(ray.get(ray.remote(lambda: 'ran').remote()))"
+
+
+def client(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_local_ray_takes_a_token_only_its_owner_can_read(tmp_path, monkeypatch):
+    for name in ("RAY_ADDRESS", *AUTH_SETTINGS):  # a local Ray of this test's own, no token chosen
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "owner"))  # where Ray would write its own token
+    outsider = {k: v for k, v in os.environ.items() if k not in AUTH_SETTINGS}
+    outsider.update(HOME=str(tmp_path / "outsider"), PYTHONPATH=str(REPO), GPTRUN_RESOURCE_WAIT_S="10")
+    with ray_session():
+        import ray
+
+        token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
+        assert os.environ["RAY_AUTH_MODE"] == "token"
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600, oct(token.stat().st_mode)
+        assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700, oct(token.parent.stat().st_mode)
+        address = ray.get_runtime_context().gcs_address
+        refused = client(PROBE.format(address=address), outsider)
+        assert refused.returncode != 0 and "refused this client" in refused.stderr, refused.stderr[-2000:]
+        no_token = client(TASK.format(address=address), outsider)
+        assert no_token.returncode != 0 and "ran" not in no_token.stdout, no_token.stdout[-2000:]
+        owner = {**outsider, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+        accepted = client(TASK.format(address=address), owner)
+        assert accepted.returncode == 0 and "ran" in accepted.stdout, accepted.stderr[-2000:]
+        jobs = f"http://{ray._private.worker.get_dashboard_url()}/api/jobs/"  # `ray job submit`'s API
+        with pytest.raises(urllib.error.HTTPError) as refused_job:
+            urllib.request.urlopen(urllib.request.Request(jobs, data=b"{}", method="POST"), timeout=30)
+        assert refused_job.value.code == 401, refused_job.value
+    assert not token.exists() and not token.parent.exists()  # removed with the Ray it opened
+    assert not (tmp_path / "owner" / ".ray" / "auth_token").exists()  # Ray wrote no token of its own
+    assert "RAY_AUTH_TOKEN_PATH" not in os.environ
