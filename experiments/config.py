@@ -112,8 +112,11 @@ def load_experiment(
     path: str | Path | None = None,
     overrides: list[str] | tuple[str, ...] = (),
 ) -> RayExperiment:
-    """An experiment TOML with every section, `--set` overrides applied."""
-    return load_config(path, overrides, cls=RayExperiment)
+    """An experiment TOML with every section, `--set` overrides applied, and the passwords of
+    its URLs moved to the environment (`experiments.credentials`)."""
+    from experiments.credentials import without_passwords
+
+    return without_passwords(load_config(path, overrides, cls=RayExperiment))
 
 
 def experiment_from_dict(raw: dict[str, Any]) -> RayExperiment:

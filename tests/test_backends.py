@@ -3,12 +3,13 @@ module, one per module), W&B runs written offline, and optuna-dashboard serving 
 
 Two Ray sweeps share the server: "team" (6 trials, one at a time, logged to W&B offline) and
 "killed" (SIGKILLed mid-trial, then resumed). Bad storage URLs are checked before Ray starts.
-The password reaches the sweeps as PGPASSWORD, the way the README advises (no password in a URL
-that is printed or pickled into Tune's state)."""
+The password reaches the sweeps as PGPASSWORD; written into a URL instead, gptrun moves it there
+as it reads the config (`experiments.credentials`), and it is in no file of the sweep."""
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import shlex
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ import pytest
 from experiments.storage import dashboard_command, rdb_storage, shown_url
 from gptcore.errors import UserError
 from tests.conftest import assert_user_error, run_cli, study_trials, write_sweep_config
-from tests.postgres import Postgres, postgres_server
+from tests.postgres import PASSWORD, Postgres, postgres_server
 from tests.test_cluster import free_port
 from tests.test_sweep import (
     assert_asha_stops_pruned,
@@ -92,6 +94,23 @@ def test_postgres_study_holds_every_trial_and_asha_stops_are_pruned(team_sweep, 
     assert not (team_sweep / "optuna.db").exists()  # the study is on the server, not beside it
 
 
+def files_holding(secret: bytes, *folders: Path) -> list[str]:
+    """The files under `folders` whose bytes hold `secret`, opened where compressed (a zip such as
+    a torch checkpoint, gzip) or pickled as text."""
+    found = []
+    for path in (p for folder in folders for p in folder.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        blobs = [data]
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                blobs += [archive.read(name) for name in archive.namelist()]
+        if data[:2] == b"\x1f\x8b":
+            blobs.append(gzip.decompress(data))
+        if any(secret in blob for blob in blobs):
+            found.append(str(path))
+    return found
+
+
 def study_snapshot(url: str, name: str) -> list[tuple[Any, ...]]:
     import optuna
 
@@ -103,12 +122,15 @@ def test_killed_sweep_beside_another_resumes_without_losing_or_repeating(
     team_sweep, postgres, tiny_data, tmp_path
 ):
     """A second sweep in the same database, SIGKILLed mid-trial and resumed: each of its trials
-    is in its own study once; the first sweep's study is untouched, and its name is refused."""
+    is in its own study once; the first sweep's study is untouched, and its name is refused.
+    Its URL holds the password: the sweep, the resume (reading the saved config, which has none:
+    PGPASSWORD has it) and the report work, and the password is in none of their files."""
     url = postgres.url()
     before_team = study_snapshot(url, "team")
     n, steps, every = 4, 120, 10  # as the sqlite kill test of test_sweep: a kill lands mid-trial
+    planted = postgres.url(password=PASSWORD)
     config = write_sweep_config(
-        tiny_data, tmp_path, n=n, max_steps=steps, sweep_keys=f'storage_url = "{url}"'
+        tiny_data, tmp_path, n=n, max_steps=steps, sweep_keys=f'storage_url = "{planted}"'
     )
     storage = tmp_path / "sweeps"
     args = [sys.executable, "-m", "experiments", "sweep", str(config), "--name", "killed"]
@@ -122,25 +144,31 @@ def test_killed_sweep_beside_another_resumes_without_losing_or_repeating(
     assert len(after) == n and all(recs[-1]["step"] == steps for recs in after.values()), after
     assert_resumed_study(study_trials(url, "killed"), after)
     assert study_snapshot(url, "team") == before_team
+    report = run_cli("report", str(storage / "killed"), "--out", str(tmp_path / "report"), timeout=300)
+    assert report.returncode == 0, report.stdout[-4000:] + report.stderr[-4000:]
+    assert PASSWORD not in proc.stdout + proc.stderr + report.stdout + report.stderr
+    assert not files_holding(PASSWORD.encode(), storage, tmp_path / "report")
 
     other = run_cli("sweep", str(config), "--name", "team", "--storage", str(tmp_path / "elsewhere"))
     assert_user_error(other, "already holds a study named 'team'", "--restart")
     assert study_snapshot(url, "team") == before_team
 
 
-@pytest.mark.parametrize("case", ["bad url", "refused", "wrong password"])
+@pytest.mark.parametrize("case", ["bad url", "refused", "wrong password", "two passwords"])
 def test_bad_storage_url_is_one_line_before_ray_starts(postgres, tiny_data, tmp_path, case):
-    url, needle = {
-        "bad url": ("postgresql://gptrun@127.0.0.1:port/postgres", "not a database URL"),
-        "refused": (postgres.url(port=free_port()), "Connection refused"),
-        "wrong password": (postgres.url(password="hunter2"), "password authentication failed"),
+    url, env, needle = {
+        "bad url": ("postgresql://gptrun@127.0.0.1:port/postgres", {}, "not a database URL"),
+        "refused": (postgres.url(port=free_port()), {}, "Connection refused"),
+        "wrong password": (postgres.url(), {"PGPASSWORD": "hunter2"}, "password authentication failed"),
+        "two passwords": (postgres.url(password="hunter2"), {}, "$PGPASSWORD holds another"),
     }[case]
     config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8, sweep_keys=f'storage_url = "{url}"')
     ray_tmp = tmp_path / "ray"
     proc = run_cli(
-        "sweep", str(config), "--storage", str(tmp_path / "sweeps"), env={"RAY_TMPDIR": str(ray_tmp)}
+        "sweep", str(config), "--storage", str(tmp_path / "sweeps"), env={"RAY_TMPDIR": str(ray_tmp), **env}
     )
-    assert_user_error(proc, f"sweep.storage_url {shown_url(url)}", needle)
+    shown = "holds a password" if case == "two passwords" else shown_url(url)
+    assert_user_error(proc, f"sweep.storage_url {shown}", needle)
     assert "hunter2" not in proc.stderr  # a password is never printed
     assert not ray_tmp.exists() and not (tmp_path / "sweeps").exists()  # no Ray, nothing written
 

@@ -1,10 +1,13 @@
 """The local Ray that gptrun starts takes a token that only its owner can read
 (`experiments.cluster.private_token`), and refuses a client without it: at its GCS (gptrun's
-probe, `ray.init`) and at the dashboard's job API (`ray job submit`)."""
+probe, `ray.init`) and at the dashboard's job API (`ray job submit`). A password written into a
+URL of the config leaves it as the config is read (`experiments.credentials`; the sweep against
+a real PostgreSQL whose files hold no password: tests/test_backends.py)."""
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -15,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from experiments.cluster import AUTH_SETTINGS, ray_session
-from tests.conftest import REPO
+from experiments.config import RayExperiment, load_experiment
+from gptcore.errors import UserError
+from tests.conftest import REPO, tiny_config_text
 
 PROBE = "from experiments.cluster import check_cluster; check_cluster({address!r})"
 TASK = "import ray; ray.init(address={address!r}); print(ray.get(ray.remote(lambda: 'ran').remote()))"
@@ -55,3 +60,38 @@ def test_the_local_ray_takes_a_token_only_its_owner_can_read(tmp_path, monkeypat
     assert not token.exists() and not token.parent.exists()  # removed with the Ray it opened
     assert not (tmp_path / "owner" / ".ray" / "auth_token").exists()  # Ray wrote no token of its own
     assert "RAY_AUTH_TOKEN_PATH" not in os.environ
+
+
+def load_with(tiny_data: Path, tmp_path: Path, **urls: str) -> RayExperiment:
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
+    return load_experiment(config, [f'{key.replace("__", ".")}="{url}"' for key, url in urls.items()])
+
+
+def test_a_password_in_a_database_url_moves_to_pgpassword(tiny_data, tmp_path, monkeypatch):
+    """So that no saved copy of the config holds it (`experiments.credentials`)."""
+    monkeypatch.delenv("PGPASSWORD", raising=False)
+    cfg = load_with(tiny_data, tmp_path, sweep__storage_url="postgresql://team:s3cret@db:5432/studies")
+    assert cfg.sweep.storage_url == "postgresql://team@db:5432/studies"
+    assert os.environ["PGPASSWORD"] == "s3cret" and "s3cret" not in str(cfg.to_dict())
+    again = load_with(tiny_data, tmp_path, sweep__storage_url="postgresql://team@db:5432/studies")
+    assert again.sweep.storage_url == "postgresql://team@db:5432/studies"  # nothing to move
+
+
+def test_a_password_in_an_mlflow_server_url_moves_to_mlflows_variables(tiny_data, tmp_path, monkeypatch):
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = load_with(tiny_data, tmp_path, tracking__mlflow_uri="https://me:tok3n@mlflow.lab:5000/")
+    assert cfg.tracking.mlflow_uri == "https://mlflow.lab:5000/"
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("me", "tok3n")
+
+
+def test_a_password_no_variable_can_carry_is_refused(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("PGPASSWORD", "other")
+    cases = [
+        ("sweep__storage_url", "mysql+pymysql://u:pw@db/studies", "give it to the mysql client another way"),
+        ("sweep__storage_url", "postgresql://u:pw@db/studies", "$PGPASSWORD holds another"),
+    ]
+    for key, url, needle in cases:
+        with pytest.raises(UserError, match=re.escape(needle)):
+            load_with(tiny_data, tmp_path, **{key: url})
