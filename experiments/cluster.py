@@ -5,8 +5,8 @@ for tens of seconds or wait forever).
 Storage is checked in two steps so that nothing is written before the cluster answers:
 `check_storage` (pure: resolves and validates, creates nothing) before `ray_session`, then
 `create_storage` inside it; on a multi-node cluster `verify_shared_storage` checks that every
-node sees a local path (NFS) before any trial writes there, and `verify_data_on_nodes` that every
-node that runs trials has the prepared data.dir."""
+node sees a local path (NFS) before any trial writes there, and `verify_trial_nodes` that every
+node that runs trials has the driver's gptrun, Ray and torch, and the prepared data.dir."""
 
 from __future__ import annotations
 
@@ -419,11 +419,13 @@ def verify_shared_storage(storage: str, timeout: float | None = None) -> None:
         )
 
 
-def verify_data_on_nodes(data_dir: str, timeout: float | None = None) -> None:
-    """Check that every alive node that can run a trial (one with CPUs) has the prepared data
-    folder `data_dir` whole, at the same path: the driver checked its own copy only. One line
-    naming the nodes without it, instead of trials that fail there and are retried. Needs an
-    initialized Ray session; skipped where the only such node is this one."""
+def verify_trial_nodes(data_dir: str, timeout: float | None = None) -> None:
+    """Check that every alive node that can run a trial (one with CPUs) runs the driver's gptrun,
+    Ray and torch, and has the prepared data folder `data_dir` whole, at the same path: the
+    driver checked its own copy only. One line naming a node that differs, instead of trials
+    that fail late and oddly there (a pickled class that moved, a checkpoint another torch
+    cannot read) or are retried without their data. Needs an initialized Ray session; skipped
+    where the only such node is this one."""
     import ray
 
     nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
@@ -431,8 +433,17 @@ def verify_data_on_nodes(data_dir: str, timeout: float | None = None) -> None:
     if all(n["NodeID"] == here for n in nodes):
         return
     timeout = resource_wait_s() if timeout is None else timeout
-    answers, pending = _ask_each_node(_data_problem, data_dir, nodes, timeout)
-    missing = [(node, problem) for node, problem in answers if problem]
+    answers, pending = _ask_each_node(_node_report, data_dir, nodes, timeout)
+    ours = versions()
+    for node, report in answers:
+        differ = [f"{name} {v}" for name, v in report["versions"].items() if v != ours[name]]
+        if differ:
+            mine = ", ".join(f"{name} {ours[name]}" for name in ours)
+            raise UserError(
+                f"node {_node_names([node])} runs {', '.join(differ)}, this driver {mine}; install "
+                "the same gptrun, ray and torch on every node"
+            )
+    missing = [(node, report["data"]) for node, report in answers if report["data"]]
     if missing:
         raise UserError(
             f"data.dir {data_dir} is not usable on node(s) {_node_names([n for n, _ in missing])} "
@@ -441,6 +452,25 @@ def verify_data_on_nodes(data_dir: str, timeout: float | None = None) -> None:
         )
     if pending:
         print(f"warning: {pending} node(s) did not answer the data check within {timeout:g}s; not checked")
+
+
+def versions() -> dict[str, str]:
+    """gptrun's, Ray's and torch's versions in this process's environment; torch's without its
+    build label (`2.13.0+cpu` on a CPU head, `+cu128` on a GPU node: the same torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("gptrun", "ray", "torch"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "(not installed)"
+    found["torch"] = found["torch"].split("+")[0]
+    return found
+
+
+def _node_report(data_dir: str) -> dict[str, Any]:
+    return {"versions": versions(), "data": _data_problem(data_dir)}
 
 
 def _ask_each_node(fn: Any, arg: str, nodes: list[dict[str, Any]], timeout: float) -> tuple[list, int]:

@@ -28,8 +28,8 @@ from experiments.cluster import (
     check_storage,
     create_storage,
     local_resources,
-    verify_data_on_nodes,
     verify_shared_storage,
+    verify_trial_nodes,
 )
 from experiments.config import RayExperiment, checked_for_workers, load_experiment
 from experiments.experiment import (
@@ -126,7 +126,7 @@ def run_sweep(plan: SweepPlan) -> int:
         parent = plan.location.rpartition("/")[0]
         create_storage(parent)
         verify_shared_storage(parent)  # every node must see the trials' checkpoints
-        verify_data_on_nodes(cfg.data.dir)  # and every node that runs trials their data
+        verify_trial_nodes(cfg.data.dir)  # every node that runs trials: our versions, the data
         if plan.restart:  # every check passed: the old experiment may go
             remove_experiment(exp_dir, plan.uri)
         else:

@@ -23,8 +23,8 @@ from experiments.cluster import (
     is_local,
     local_resources,
     ray_session,
-    verify_data_on_nodes,
     verify_shared_storage,
+    verify_trial_nodes,
 )
 from experiments.config import RayExperiment, checked_for_workers, experiment_from_dict
 from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
@@ -238,7 +238,7 @@ def train_on_ray(
     ):
         create_storage(storage)
         verify_shared_storage(storage)  # a resumed worker must find the checkpoints
-        verify_data_on_nodes(cfg.data.dir)  # and every worker its data
+        verify_trial_nodes(cfg.data.dir)  # every worker: our versions, its data
         print(
             f"run {name!r} under {storage} ({res.workers} worker(s), "
             f"{res.cpus_per_worker:g} CPU + {res.gpus_per_worker:g} GPU each); rerun the same "

@@ -505,17 +505,12 @@ def test_storage_a_node_does_not_see_is_refused_naming_the_node(two_nodes, tiny_
 
 
 @contextlib.contextmanager
-def node_without(two_nodes: LocalCluster, monkeypatch: Any, folder: Path, name: str) -> Iterator[None]:
-    """A third node whose raylet and workers see an empty tmpfs over `folder` (a private mount
-    namespace), as a node without a mount the others have would; started from a copy of the
-    state (`down` never hears of it) and stopped on the way out."""
+def third_node(two_nodes: LocalCluster, monkeypatch: Any, name: str, wrap: list[str]) -> Iterator[None]:
+    """A third node whose `ray start` runs under the command `wrap` (which execs what follows
+    it), started from a copy of the state (`down` never hears of it) and stopped on the way out."""
     local = two_nodes.local
     plain = local.ray_command()
-    hide = 'mount -t tmpfs gptrun-hidden "$0" && exec "$@"'  # $0: the folder, $@: ray start ...
-    monkeypatch.setattr(
-        local, "ray_command", lambda: ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide,
-                                       str(folder), *plain],
-    )  # fmt: skip
+    monkeypatch.setattr(local, "ray_command", lambda: [*wrap, *plain])
     node = local.start_node(two_nodes.dir, two_nodes.state, name, 1, 0)
     try:
         local.wait_started(node, 60)
@@ -523,6 +518,14 @@ def node_without(two_nodes: LocalCluster, monkeypatch: Any, folder: Path, name: 
         yield
     finally:
         assert local.stop_node(node, grace=10) == []
+
+
+def node_without(two_nodes: LocalCluster, monkeypatch: Any, folder: Path, name: str) -> Any:
+    """A third node whose raylet and workers see an empty tmpfs over `folder` (a private mount
+    namespace), as a node without a mount the others have would."""
+    hide = 'mount -t tmpfs gptrun-hidden "$0" && exec "$@"'  # $0: the folder, $@: ray start ...
+    wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide, str(folder)]
+    return third_node(two_nodes, monkeypatch, name, wrap)
 
 
 # A driver that joins the cluster as gptrun does and asks each node for the Ray Train settings.
@@ -589,6 +592,28 @@ def test_a_node_without_the_data_is_refused_naming_the_node(two_nodes, tiny_data
             one_node = r"on node\(s\) [\d.]+ \([0-9a-f]{8}\) \(.*meta\.json not found"  # the one without it
             assert re.search(one_node, proc.stderr), proc.stderr
             assert not any(n["node_id"][:8] in proc.stderr for n in two_nodes.state["nodes"]), proc.stderr
+        assert not list(storage.rglob("checkpoint*"))  # no trial ran
+
+
+def test_a_node_with_another_torch_is_refused_naming_both_versions(
+    two_nodes, tiny_data, tmp_path, monkeypatch
+):
+    """A third node whose Python finds another torch first (an older release's metadata ahead on
+    its PYTHONPATH): `gptrun sweep` refuses in one line naming the node and both versions, before
+    any trial starts. (torch, not gptrun: Ray puts the driver's working folder, this checkout
+    with gptrun's own metadata, first on every worker's path on this machine.)"""
+    older = tmp_path / "older"
+    metadata = older / "torch-2.0.1.dist-info" / "METADATA"
+    metadata.parent.mkdir(parents=True)
+    metadata.write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.0.1+cu118\n")
+    path = f"{older}:{os.environ.get('PYTHONPATH', '')}"
+    with third_node(two_nodes, monkeypatch, "older", ["env", f"PYTHONPATH={path}"]):
+        storage = tmp_path / "storage"
+        sweep_config = write_sweep_config(tiny_data, tmp_path / "sweep", n=2, max_steps=8)
+        args = sweep_args(sweep_config, "older", storage, two_nodes.address)
+        proc, _ = run_clean(args, two_nodes.client_env(tmp_path))
+        assert_user_error(proc, "runs torch 2.0.1, this driver gptrun ", "install the same gptrun")
+        assert not any(n["node_id"][:8] in proc.stderr for n in two_nodes.state["nodes"]), proc.stderr
         assert not list(storage.rglob("checkpoint*"))  # no trial ran
 
 
