@@ -217,6 +217,11 @@ def check_cluster(address: str, timeout: float | None = None) -> str:
             f"{timeout:g}s (GPTRUN_RESOURCE_WAIT_S); is the head overloaded, or is "
             "this not a Ray head?"
         )
+    if code == "UNAVAILABLE" and not tls_credentials() and _speaks_tls(host, port, timeout):
+        raise UserError(
+            f"the Ray head at --address {address} uses TLS and this client does not; set "
+            f"RAY_USE_TLS=1 and {TLS_FILES} to the cluster's certificate files"
+        )
     if code == "UNIMPLEMENTED":
         kind = "a gRPC service that is not the Ray head (a raylet or another service?)"
     elif code == "UNAVAILABLE":
@@ -289,6 +294,48 @@ def _auth_metadata() -> tuple[tuple[str, str], ...]:
     return tuple(loader.get_token_for_http_header().items())
 
 
+TLS_FILES = "RAY_TLS_SERVER_CERT, RAY_TLS_SERVER_KEY, RAY_TLS_CA_CERT"
+
+
+def tls_credentials() -> Any:
+    """gRPC channel credentials from Ray's TLS settings, as `ray.init` uses them: None unless
+    RAY_USE_TLS is on (then the certificate, key and CA files must all be readable: one line
+    where one is not)."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+        return None
+    import grpc
+
+    missing = [name for name in TLS_FILES.split(", ") if not os.environ.get(name)]
+    if missing:
+        raise UserError(
+            f"RAY_USE_TLS is on but {', '.join(missing)} is not set; set all of {', '.join(TLS_FILES)}"
+        )
+    try:
+        cert, key, ca = (Path(os.environ[name]).read_bytes() for name in TLS_FILES.split(", "))
+    except OSError as err:
+        raise UserError(f"RAY_USE_TLS is on but {err.filename} cannot be read ({err.strerror})") from None
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def _speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether the server at host:port answers a TLS handshake (a Ray head started with
+    RAY_USE_TLS=1 does; one without TLS answers gRPC's plain HTTP/2 instead)."""
+    import ssl
+
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host, port), timeout=max(1.0, timeout / 2)) as raw,
+            context.wrap_socket(raw),
+        ):
+            return True
+    except ssl.SSLError as err:  # a TLS server that wants a client certificate still spoke TLS
+        return "WRONG_VERSION_NUMBER" not in str(err) and "record layer" not in str(err)
+    except OSError:
+        return False
+
+
 def _grpc_probe(
     target: str, method: str, metadata: tuple[tuple[str, str], ...], timeout: float
 ) -> tuple[str | None, str]:
@@ -296,7 +343,9 @@ def _grpc_probe(
     gRPC status code name and its details (first line)."""
     import grpc
 
-    with grpc.insecure_channel(target) as channel:
+    credentials = tls_credentials()
+    opened = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+    with opened as channel:
         call = channel.unary_unary(
             method, request_serializer=lambda _: b"", response_deserializer=lambda raw: raw
         )

@@ -2,28 +2,39 @@
 (`experiments.cluster.private_token`), and refuses a client without it: at its GCS (gptrun's
 probe, `ray.init`) and at the dashboard's job API (`ray job submit`). A password written into a
 URL of the config leaves it as the config is read (`experiments.credentials`; the sweep against
-a real PostgreSQL whose files hold no password: tests/test_backends.py)."""
+a real PostgreSQL whose files hold no password: tests/test_backends.py). A cluster with Ray's TLS
+is joined with its certificates, and named as such without them."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from benchmarks.kill_anywhere import kill_sweep
 from experiments.cluster import AUTH_SETTINGS, ray_session
 from experiments.config import RayExperiment, load_experiment
 from gptcore.errors import UserError
-from tests.conftest import REPO, tiny_config_text
+from tests.conftest import REPO, assert_user_error, free_ports, run_cli, tiny_config_text, write_sweep_config
+from tests.test_cluster import wait_for
 
 PROBE = "from experiments.cluster import check_cluster; check_cluster({address!r})"
 TASK = "import ray; ray.init(address={address!r}); print(ray.get(ray.remote(lambda: 'ran').remote()))"
+
+
+def listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def client(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -95,3 +106,45 @@ def test_a_password_no_variable_can_carry_is_refused(tiny_data, tmp_path, monkey
     for key, url, needle in cases:
         with pytest.raises(UserError, match=re.escape(needle)):
             load_with(tiny_data, tmp_path, **{key: url})
+
+
+def test_a_tls_cluster_is_joined_with_its_certificates_and_named_without_them(tiny_data, tmp_path):
+    """A Ray head started with Ray's TLS (self-signed certificates made here) and a token: a sweep
+    with RAY_USE_TLS and the certificate files set runs on it; without them it is one line
+    saying that the head uses TLS (gptrun's probe), not "not a Ray head"."""
+    from ray._common.tls_utils import generate_self_signed_tls_certs
+
+    cert, key = generate_self_signed_tls_certs()
+    (tmp_path / "cert.pem").write_text(cert)
+    (tmp_path / "key.pem").write_text(key)
+    token = tmp_path / "token"
+    token.write_text("a" * 64)
+    token.chmod(0o600)
+    pem = str(tmp_path / "cert.pem")
+    tls = {"RAY_USE_TLS": "1", "RAY_TLS_CA_CERT": pem, "RAY_TLS_SERVER_CERT": pem}
+    tls["RAY_TLS_SERVER_KEY"] = str(tmp_path / "key.pem")
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    (port,) = free_ports(1)
+    head_env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", *AUTH_SETTINGS)} | tls | auth
+    ray = Path(sys.executable).with_name("ray")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="gptrun-tls-"))  # short: Ray's socket paths must fit
+    head = subprocess.Popen(
+        [str(ray), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+         "--node-ip-address=127.0.0.1", f"--temp-dir={ray_tmp}", "--dashboard-host=127.0.0.1",
+         "--disable-usage-stats"],
+        env=head_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_for(lambda: listens(port), 120, "the head's GCS port")
+        config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8)
+        sweep = ["sweep", str(config), "--address", address, "--storage", str(tmp_path / "sweeps")]
+        without = run_cli(*sweep, "--name", "plain", env=auth, timeout=300)
+        assert_user_error(without, f"the Ray head at --address {address} uses TLS", "RAY_USE_TLS=1")
+        with_tls = run_cli(*sweep, "--name", "tls", env=auth | tls, timeout=600)
+        assert with_tls.returncode == 0, with_tls.stdout[-3000:] + with_tls.stderr[-3000:]
+        assert "best trial" in with_tls.stdout
+    finally:
+        kill_sweep(head)  # the head and every process of its Ray, by session
+        head.wait(timeout=30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
