@@ -64,9 +64,9 @@ def remove_experiment(exp_dir: Path, uri: str | None = None) -> None:
 
 def trial_dirname(trial: Any) -> str:
     """`trial_<id>`: Tune's default folder name spells out every sampled value. Tune pickles this
-    function into its saved state by reference, and whoever reads that state (`gptrun report`)
-    imports its module: it lives here, beside the other names of the folder, and not with the
-    Tuner (which brings Ray Train and torch)."""
+    function into its saved state by reference, and whoever unpickles that state (`gptrun
+    resume`) imports its module: it lives here, beside the other names of the folder, and not
+    with the Tuner (which brings Ray Train and torch)."""
     return trial_folder_name(trial.trial_id)
 
 

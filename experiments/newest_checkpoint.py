@@ -28,9 +28,7 @@ from experiments.events import announced
 from experiments.experiment import append_event, trial_folder_name
 from experiments.private_api import set_trial_checkpoints, trial_checkpoints, trial_folder
 from experiments.record import read_records
-from gptcore.checkpoint import CHECKPOINT_FILE
-
-PREFIX = "checkpoint_"  # a trial's checkpoint folders: checkpoint_000000, checkpoint_000001, ...
+from experiments.tune_state import checkpoint_folders, checkpoint_index
 
 
 class NewestCheckpoints(Callback):
@@ -90,36 +88,16 @@ def resume_from_newest(trial: Any, earlier: list[str]) -> None:
             flush=True,
         )
     # The next checkpoint folder follows the newest one (or the one Tune's state had reached).
-    own = [_index(c.path) for c in found] if source == trial.trial_id else []
-    index = max(own + ([_index(latest.path)] if latest else [-1]))
+    own = [checkpoint_index(c.path) for c in found] if source == trial.trial_id else []
+    index = max(own + ([checkpoint_index(latest.path)] if latest else [-1]))
     set_trial_checkpoints(trial, found, newest, index)
 
 
 def _checkpoints(fs: Any, folder: str) -> list[Any]:
-    """The intact checkpoint folders in trial folder `folder`, oldest first ([]: no folder)."""
-    from pyarrow.fs import FileSelector, FileType
+    """The intact checkpoints in trial folder `folder`, oldest first, as `ray.tune.Checkpoint`s."""
     from ray.tune import Checkpoint
 
-    if fs.get_file_info(folder).type != FileType.Directory:
-        return []
-    found = [
-        Checkpoint(info.path, filesystem=fs)
-        for info in fs.get_file_info(FileSelector(folder))
-        if info.type == FileType.Directory
-        and info.base_name.removeprefix(PREFIX).isdigit()
-        and _holds_checkpoint(fs, info.path)
-    ]
-    return sorted(found, key=lambda c: _index(c.path))
-
-
-def _holds_checkpoint(fs: Any, path: str) -> bool:
-    from pyarrow.fs import FileType
-
-    return fs.get_file_info(f"{path}/{CHECKPOINT_FILE}").type == FileType.File
-
-
-def _index(path: str) -> int:
-    return int(path.rsplit("/", 1)[1].removeprefix(PREFIX))
+    return [Checkpoint(path, filesystem=fs) for path in checkpoint_folders(fs, folder)]
 
 
 def _name(checkpoint: Any) -> str:

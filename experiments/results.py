@@ -6,7 +6,6 @@ Works on finished, running and interrupted sweeps alike (it reads files, it star
 from __future__ import annotations
 
 import math
-import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,17 +16,17 @@ from experiments.outcome import FLAGS, RANKED, ended_status
 from experiments.record import read_records
 from experiments.space import ZERO_SUFFIX, Space, apply_overrides
 from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
+from experiments.tune_state import TuneTrial, read_reports, read_tune_trials
 from gptcore.errors import UserError
 
 if TYPE_CHECKING:
     from experiments.report.common import CommonBudget
 
 
-def load_analysis(exp_dir: Path) -> Any:
-    """Tune's view of the experiment, read from where Tune keeps it (its folder, or its URI for
-    an experiment in object storage)."""
-    from ray.tune import ExperimentAnalysis
-
+def load_tune_trials(exp_dir: Path) -> list[TuneTrial]:
+    """Tune's view of the experiment's trials, read as JSON from where Tune keeps it (its
+    folder, or its URI for an experiment in object storage): nothing is unpickled
+    (`experiments.tune_state`)."""
     where = remote.location(exp_dir)  # absolute: Ray reads a relative path as a URI
     if not is_experiment(exp_dir) or not remote.has_tune_state(where):
         raise UserError(
@@ -35,8 +34,8 @@ def load_analysis(exp_dir: Path) -> Any:
             "pass the folder that `gptrun sweep` printed"
         )
     try:
-        return ExperimentAnalysis(where)
-    except (ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as err:
+        return read_tune_trials(where)
+    except (ValueError, KeyError, TypeError) as err:
         raise UserError(
             f"Tune's saved state in {where} cannot be read ({type(err).__name__}: {err}); the "
             "folder is damaged: restore it from a copy, or start the sweep again with --restart"
@@ -60,14 +59,14 @@ def load_trials(exp_dir: Path) -> list[dict[str, Any]]:
     its last report to its end). A trial's status and final report come from its record in the
     study (`experiments.record`) where there is one, else from Tune's view."""
     exp_dir = Path(exp_dir)
-    analysis = load_analysis(exp_dir)
+    tune_trials = load_tune_trials(exp_dir)
     cfg, meta = load_base(exp_dir)
     max_tokens = meta["trial_tokens"]
     records = read_records(study_url(cfg, exp_dir), exp_dir.name)
     events = read_events(exp_dir)
     asha = {e["trial_id"] for e in events if e["event"] == "asha_stop"}
     trials = []
-    for trial in analysis.trials:
+    for trial in tune_trials:
         record = records.pop(trial.trial_id, None)
         if record is not None and record.ended:
             status = record.status or STATE_STATUS[record.state]
@@ -75,10 +74,8 @@ def load_trials(exp_dir: Path) -> list[dict[str, Any]]:
         else:
             last = trial.last_result or {}
             status = tune_status(trial.status, last, max_tokens, trial.trial_id in asha)
-        checkpoint = last.get("checkpoint_path") or (
-            remote.shown_path(trial.checkpoint.path, trial.checkpoint.filesystem) if trial.checkpoint else ""
-        )
-        trials.append(_row(trial.trial_id, dict(trial.config), status, last, checkpoint, trial.path, events))
+        checkpoint = last.get("checkpoint_path") or trial.checkpoint
+        trials.append(_row(trial.trial_id, trial.config, status, last, checkpoint, trial.path, events))
     for tune_id, record in records.items():  # ended before Tune's last snapshot knew them
         if record.ended:
             status = record.status or STATE_STATUS[record.state]
@@ -141,10 +138,11 @@ def load_curves(exp_dir: Path) -> list[dict[str, Any]]:
     """Every report of every trial, once per (trial, step): trial, tokens, step, train loss, val
     loss, lr, tokens/s. A resume replays the steps after a trial's checkpoint (the later report
     of a step is kept) and replays an ended trial's last report (left out)."""
-    analysis = load_analysis(Path(exp_dir))
+    exp_dir = Path(exp_dir)
     rows: dict[tuple[str, float], dict[str, Any]] = {}
-    for trial_id, frame in analysis.trial_dataframes.items():
-        for rec in frame.to_dict("records"):
+    for trial in load_tune_trials(exp_dir):
+        trial_id = trial.trial_id
+        for rec in read_reports(remote.location(exp_dir), trial):
             if "step" not in rec or any(_flag(rec.get(k)) for k in (*FLAGS, "replayed")):
                 continue
             rows[trial_id, rec["step"]] = {

@@ -44,7 +44,7 @@ from experiments.experiment import (
     study_url,
 )
 from experiments.outcome import best_trial
-from experiments.results import best_config, load_analysis, load_trials, print_table, print_trial_costs
+from experiments.results import best_config, load_trials, load_tune_trials, print_table, print_trial_costs
 from experiments.space import Space, parse_space
 from experiments.storage import shown_url
 from experiments.tuner import new_tuner, restore_tuner, tracking_callbacks
@@ -213,8 +213,7 @@ def finish(cfg: RayExperiment, space: Space, exp_dir: Path) -> int:
     searcher about them), so that the table and the study agree."""
     from experiments.study import close_unfinished
 
-    analysis = load_analysis(exp_dir)
-    cut = {t.trial_id: t.last_result or {} for t in analysis.trials if t.status == "TERMINATED"}
+    cut = {t.trial_id: t.last_result for t in load_tune_trials(exp_dir) if t.status == "TERMINATED"}
     close_unfinished(study_url(cfg, exp_dir), exp_dir.name, cut)
     trials = load_trials(exp_dir)
     print_table(trials, space)

@@ -20,8 +20,6 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-
 from gptcore.atomic import atomic_file
 from gptcore.errors import UserError
 
@@ -33,6 +31,8 @@ TRAILER_BYTES = len(TRAILER_MAGIC) + hashlib.sha256().digest_size
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     """Write `state` atomically and durably (temp file, fsync, rename) with its checksum trailer."""
+    import torch  # here, not above: `gptrun report` reads CHECKPOINT_FILE and never needs torch
+
     path = Path(path)
     with atomic_file(path) as tmp, open(tmp, "wb") as f:
         hashing = _HashingWriter(f)  # hashes the payload as it is written: no second pass
@@ -53,6 +53,8 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
 
 def load_checkpoint(path: str | os.PathLike, map_location: str = "cpu") -> dict[str, Any]:
     """Verify, then load a checkpoint; any damage is a one-line `UserError` that names the file."""
+    import torch
+
     path = resolve_checkpoint_path(path)
     size = _verified_payload_size(path)
     with open(path, "rb") as f:

@@ -595,3 +595,43 @@ def test_report_on_a_damaged_sweep_is_one_line(finished_sweep: Path, tmp_path: P
         needle = "Tune's saved state in"
     assert_user_error(run_cli("report", str(copy), "--out", str(tmp_path / "r")), needle, "--restart")
     assert not (tmp_path / "r").exists()
+
+
+class Planted:
+    """A pickle that runs code when loaded: it creates the file `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
+
+
+def test_report_unpickles_nothing_that_tune_saved(finished_sweep, tmp_path):
+    """Whoever can write to a sweep's folder cannot run code as whoever reports on it: with
+    every pickle Tune saved replaced by one that runs code (its .pkl files, and the cloudpickle
+    blobs inside experiment_state-*.json), `gptrun report` still writes the report, and none ran
+    (`experiments.tune_state`). `gptrun resume` does unpickle them: docs/cluster.md says so."""
+    import pickle
+
+    copy = tmp_path / "finished"
+    shutil.copytree(finished_sweep, copy)
+    marker = tmp_path / "planted-code-ran"
+    planted = pickle.dumps(Planted(marker))
+    pickles = list(copy.glob("*.pkl"))
+    assert pickles
+    for path in pickles:
+        path.write_bytes(planted)
+    for path in copy.glob("experiment_state-*.json"):
+        state = json.loads(path.read_text())
+        for entry in state["trial_data"]:
+            trial = json.loads(entry[0])
+            trial["storage"] = {"_type": "CLOUDPICKLE_FALLBACK", "value": planted.hex()}
+            entry[0] = json.dumps(trial)
+        path.write_text(json.dumps(state))
+    proc = run_cli("report", str(copy), "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "report" / "report.html").is_file()
+    assert not marker.exists()
+    pickle.loads(planted)  # what a reader that unpickled them would have done
+    assert marker.exists()
