@@ -311,7 +311,17 @@ class Sweep:
                 if record.tune_id != tune_id:  # Tune never saved it: run again under a new Tune trial
                     chain = [*record.continues, record.tune_id]
                     after = chain[chain.index(tune_id) + 1] if tune_id in chain else record.tune_id
-                    later = [r for r in rows.get(after, []) if "resumed_from" in r]
+                    # Its rows up to the next kill that saw it under `after` (a run killed before
+                    # it wrote a row says nothing; that kill's snapshot checks the run after it).
+                    until = next(
+                        (
+                            s.unfinished[number][2]
+                            for s in self.snapshots[k + 1 :]
+                            if s.unfinished.get(number, ("",))[0] == after
+                        ),
+                        None,
+                    )
+                    later = [r for r in rows.get(after, [])[:until] if "resumed_from" in r]
                     if later and int(later[0]["resumed_from"]) != step:
                         v.repeated.append(
                             f"trial #{number} (killed {snap.moment}) ran again as {after} from step "

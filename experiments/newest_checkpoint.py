@@ -9,11 +9,12 @@ storage anymore", and the trial was lost). A trial that a killed driver started 
 last snapshot is not in that state at all: the study hands it to a new Tune trial
 (`experiments.study`), and its checkpoints are in the folder of the Tune trial that ran it.
 
-`NewestCheckpoints`, a Tune callback, looks at each trial as Tune starts it, before Tune restores
-it: it forgets the checkpoints that are gone and resumes the trial from the newest checkpoint
-folder in its trial folder, or else in the folders of the Tune trials that ran it before
-(`experiments.record`, `continues`), or from step 0 where none is left, with a console line
-when that is not the one Tune's state named.
+`NewestCheckpoints`, a Tune callback, looks at each unfinished trial when a resumed sweep starts,
+and at each trial a resume hands to a new Tune trial as Tune starts it: it forgets the
+checkpoints that are gone and resumes the trial from the newest checkpoint folder in its trial
+folder, or else in the folders of the Tune trials that ran it before (`experiments.record`,
+`continues`), or from step 0 where none is left, with a console line when that is not the one
+Tune's state named.
 """
 
 from __future__ import annotations
@@ -32,24 +33,36 @@ from experiments.tune_state import checkpoint_folders, checkpoint_index
 
 
 class NewestCheckpoints(Callback):
-    """Checks each trial once per run of the experiment (`setup` is called on every start,
-    resumes included), as Tune starts it and before Tune restores it from its checkpoint (Ray
-    2.60.0 `TuneController._actor_started` calls `on_trial_start` first)."""
+    """Checks the restored trials once per run of the experiment (`setup` is called on every
+    start, resumes included), on Tune's first step: after it restored them, before it starts
+    any, so that their processes number their next checkpoint folders from the right index.
+    A trial the study handed to a new Tune trial is checked as Tune starts it, before Tune
+    restores it (Ray 2.60.0 `TuneController._actor_started` calls `on_trial_start` first)."""
 
     def __init__(self, exp_dir: Path, study_url: str) -> None:
         self.exp_dir, self.study_url = exp_dir, study_url
-        self.checked: set[str] = set()
+        self.checked: set[str] | None = None  # None until the first step of this run
+        self.resumed = False  # that step found trials: a resume
 
     def setup(self, **info: Any) -> None:
-        self.checked = set()
+        self.checked = None
+
+    def on_step_begin(self, iteration: int, trials: list, **info: Any) -> None:
+        if self.checked is None:  # the first step: the restored trials, none of them started yet
+            self.checked, self.resumed = {trial.trial_id for trial in trials}, bool(trials)
+            earlier = self._earlier() if trials else {}
+            for trial in trials:
+                if trial.status != "TERMINATED":
+                    resume_from_newest(trial, earlier.get(trial.trial_id, []))
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        if trial.trial_id in self.checked:  # a retry after a failure: Tune's bookkeeping is current
+        if self.checked is None or trial.trial_id in self.checked:
             return
         self.checked.add(trial.trial_id)
-        record = read_records(self.study_url, self.exp_dir.name).get(trial.trial_id)
-        earlier = record.continues if record else []
-        if earlier and not announced(self.exp_dir, earlier[-1], "continued"):
+        earlier = self._earlier().get(trial.trial_id) if self.resumed else None
+        if not earlier:  # a new trial of its own (a sweep that was never stopped has no other)
+            return
+        if not announced(self.exp_dir, earlier[-1], "continued"):
             event = {"event": "continued", "trial_id": earlier[-1], "as": trial.trial_id, "unix": time.time()}
             append_event(self.exp_dir, event)
             print(
@@ -58,6 +71,11 @@ class NewestCheckpoints(Callback):
                 flush=True,
             )
         resume_from_newest(trial, earlier)
+
+    def _earlier(self) -> dict[str, list[str]]:
+        """Tune trial id -> the Tune trials that ran it before, for each trial of the study."""
+        records = read_records(self.study_url, self.exp_dir.name)
+        return {tune_id: record.continues for tune_id, record in records.items() if record.continues}
 
 
 def resume_from_newest(trial: Any, earlier: list[str]) -> None:
