@@ -309,3 +309,44 @@ def test_report_prints_the_dashboard_command_that_serves_the_study(team_sweep, p
         attrs = {a["key"]: a["value"] for a in trial["user_attrs"]}
         got[attrs["tune_trial_id"]] = trial["state"].upper()
     assert got == rows, (got, rows)
+
+
+def test_passwords_in_urls_reach_no_file_of_a_sweep_its_confirm_and_report(postgres, tiny_data, tmp_path):
+    """Both URLs of a sweep hold the password: the study's (`sweep.storage_url`) and MLflow's
+    (`tracking.mlflow_uri`, its runs in a database of the same server). The sweep, `confirm`
+    (which reads the saved config, without it) and `report` run, with PGPASSWORD set as a
+    later command needs; the password is in none of their files, printed lines or checkpoints."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(postgres.url().replace("postgresql://", "postgresql+psycopg://"))
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as db:
+        db.execute(sqlalchemy.text("CREATE DATABASE runs"))
+    engine.dispose()
+    planted = postgres.url(password=PASSWORD)
+    mlflow = planted.replace("postgresql://", "postgresql+psycopg://").replace("/postgres", "/runs")
+    config = write_sweep_config(
+        tiny_data,
+        tmp_path,
+        n=2,
+        max_steps=16,
+        sweep_keys=f'storage_url = "{planted}"\nmax_concurrent = 1',
+        tail=f'\n[tracking]\nmlflow_uri = "{mlflow}"\n',
+    )
+    storage = tmp_path / "sweeps"
+    outputs = []
+    for args in (
+        ["sweep", str(config), "--name", "secret", "--storage", str(storage)],
+        ["confirm", str(storage / "secret"), "--top", "1", "--seeds", "2"],
+        ["report", str(storage / "secret"), "--out", str(tmp_path / "report")],
+    ):
+        proc = run_cli(*args, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        outputs.append(proc.stdout + proc.stderr)
+    assert PASSWORD not in "".join(outputs)
+    assert (storage / "secret" / "noise.json").is_file()  # confirm ran its seeds
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow.replace(f":{PASSWORD}@", "@"))  # the password from PGPASSWORD
+    experiment = client.get_experiment_by_name("secret")
+    assert experiment is not None and len(client.search_runs([experiment.experiment_id])) == 2
+    assert not files_holding(PASSWORD.encode(), storage, tmp_path / "report")
