@@ -312,6 +312,21 @@ def test_resumed_sweep_past_its_budget_ends_each_trial_once(tiny_data, tmp_path)
         assert f"trial {tid} " not in proc.stdout, tid
 
 
+def without_exit_noise(output: str) -> str:
+    """`output` without what Python prints for an exception it ignores while a Ray worker process
+    is being ended at the sweep's end ("Exception ignored in: <function WeakSet...._remove>",
+    its traceback, "SystemExit: 1"): Ray's shutdown of a process, not a failed trial."""
+    kept, left = [], 0  # left: lines still to leave out of an ignored exception (at most 20)
+    for line in output.splitlines():
+        if "Exception ignored in" in line:
+            left = 20
+        if not left:
+            kept.append(line)
+        else:
+            left = 0 if "SystemExit" in line else left - 1
+    return "\n".join(kept)
+
+
 @pytest.mark.parametrize(
     "override, needle",
     [
@@ -354,7 +369,7 @@ def test_a_sampled_value_the_config_refuses_fails_that_trial_with_its_reason(tin
         assert t["status"] == "refused" and "beta2" in t["reason"], t
         assert not (Path(t["path"]) / "error.txt").exists(), t["path"]  # not a Tune ERROR
         assert f"trial {t['trial_id']} refused: " in proc.stdout
-    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "Traceback" not in without_exit_noise(proc.stdout + proc.stderr)
     study = study_values(f"sqlite:///{exp_dir / 'optuna.db'}", "beta2")
     cfg = load_experiment(exp_dir / "gptrun.toml")
     assert all(study[t["trial_id"]] == ("COMPLETE", diverged_loss(cfg), {}) for t in bad), study
