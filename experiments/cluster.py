@@ -14,6 +14,7 @@ import contextlib
 import os
 import secrets
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,8 +154,6 @@ def private_token() -> Iterator[None]:
     if any(os.environ.get(name) for name in AUTH_SETTINGS):
         yield
         return
-    import tempfile
-
     folder = Path(tempfile.mkdtemp(prefix="gptrun-ray-token-"))  # mode 0700
     path = folder / "auth_token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -195,11 +194,12 @@ def check_cluster(address: str, timeout: float | None = None) -> str:
             f"nothing answers at --address {address} ({err.strerror or err}); check "
             "the address or start the cluster with `ray start --head`"
         ) from None
-    metadata = _auth_metadata()
+    metadata, credentials = _auth_metadata(), tls_credentials()
     code, details = _grpc_probe(
         f"{host}:{port}",
         CLIENT_PROBE if client else GCS_PROBE,
         metadata,
+        credentials,
         max(0.5, deadline - time.monotonic()),
     )
     if code is None or (client and code not in _NOT_RAY and code != "UNAUTHENTICATED"):
@@ -217,10 +217,10 @@ def check_cluster(address: str, timeout: float | None = None) -> str:
             f"{timeout:g}s (GPTRUN_RESOURCE_WAIT_S); is the head overloaded, or is "
             "this not a Ray head?"
         )
-    if code == "UNAVAILABLE" and not tls_credentials() and _speaks_tls(host, port, timeout):
+    if code == "UNAVAILABLE" and credentials is None and _speaks_tls(host, port, timeout):
         raise UserError(
             f"the Ray head at --address {address} uses TLS and this client does not; set "
-            f"RAY_USE_TLS=1 and {TLS_FILES} to the cluster's certificate files"
+            f"RAY_USE_TLS=1 and {', '.join(TLS_FILES)} to the cluster's certificate files"
         )
     if code == "UNIMPLEMENTED":
         kind = "a gRPC service that is not the Ray head (a raylet or another service?)"
@@ -294,7 +294,7 @@ def _auth_metadata() -> tuple[tuple[str, str], ...]:
     return tuple(loader.get_token_for_http_header().items())
 
 
-TLS_FILES = "RAY_TLS_SERVER_CERT, RAY_TLS_SERVER_KEY, RAY_TLS_CA_CERT"
+TLS_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
 
 
 def tls_credentials() -> Any:
@@ -305,13 +305,13 @@ def tls_credentials() -> Any:
         return None
     import grpc
 
-    missing = [name for name in TLS_FILES.split(", ") if not os.environ.get(name)]
+    missing = [name for name in TLS_FILES if not os.environ.get(name)]
     if missing:
         raise UserError(
             f"RAY_USE_TLS is on but {', '.join(missing)} is not set; set all of {', '.join(TLS_FILES)}"
         )
     try:
-        cert, key, ca = (Path(os.environ[name]).read_bytes() for name in TLS_FILES.split(", "))
+        cert, key, ca = (Path(os.environ[name]).read_bytes() for name in TLS_FILES)
     except OSError as err:
         raise UserError(f"RAY_USE_TLS is on but {err.filename} cannot be read ({err.strerror})") from None
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
@@ -337,13 +337,12 @@ def _speaks_tls(host: str, port: int, timeout: float) -> bool:
 
 
 def _grpc_probe(
-    target: str, method: str, metadata: tuple[tuple[str, str], ...], timeout: float
+    target: str, method: str, metadata: tuple[tuple[str, str], ...], credentials: Any, timeout: float
 ) -> tuple[str | None, str]:
-    """One unary call with an empty request: (None, "") if the server answered it, else the
-    gRPC status code name and its details (first line)."""
+    """One unary call with an empty request, over TLS where `credentials` are given: (None, "")
+    if the server answered it, else the gRPC status code name and its details (first line)."""
     import grpc
 
-    credentials = tls_credentials()
     opened = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
     with opened as channel:
         call = channel.unary_unary(
