@@ -242,11 +242,18 @@ def upload_soon(folder: Path, name: str, *, now: bool = False) -> None:
     _uploaded[path] = time.monotonic()
 
 
+def open_location(where: str) -> tuple[Any, str]:
+    """(pyarrow filesystem, path inside it) of a folder or URI."""
+    import pyarrow.fs
+
+    return filesystem(where) if is_uri(where) else (pyarrow.fs.LocalFileSystem(), where)
+
+
 def has_tune_state(where: str) -> bool:
     """Whether Tune has saved an experiment state in folder or URI `where`."""
     import pyarrow.fs
 
-    fs, path = filesystem(where) if is_uri(where) else (pyarrow.fs.LocalFileSystem(), where)
+    fs, path = open_location(where)
     found = fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
     return any(Path(f.path).name.startswith("experiment_state-") for f in found)
 

@@ -16,7 +16,7 @@ from experiments.outcome import FLAGS, RANKED, ended_status
 from experiments.record import read_records
 from experiments.space import ZERO_SUFFIX, Space, apply_overrides
 from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
-from experiments.tune_state import TuneTrial, read_reports, read_tune_trials
+from experiments.tune_state import TuneTrial, read_tune_trials
 from gptcore.errors import UserError
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def load_trials(exp_dir: Path) -> list[dict[str, Any]]:
         else:
             last = trial.last_result or {}
             status = tune_status(trial.status, last, max_tokens, trial.trial_id in asha)
-        checkpoint = last.get("checkpoint_path") or trial.checkpoint
+        checkpoint = last.get("checkpoint_path") or trial.newest_checkpoint()
         trials.append(_row(trial.trial_id, trial.config, status, last, checkpoint, trial.path, events))
     for tune_id, record in records.items():  # ended before Tune's last snapshot knew them
         if record.ended:
@@ -138,11 +138,10 @@ def load_curves(exp_dir: Path) -> list[dict[str, Any]]:
     """Every report of every trial, once per (trial, step): trial, tokens, step, train loss, val
     loss, lr, tokens/s. A resume replays the steps after a trial's checkpoint (the later report
     of a step is kept) and replays an ended trial's last report (left out)."""
-    exp_dir = Path(exp_dir)
     rows: dict[tuple[str, float], dict[str, Any]] = {}
-    for trial in load_tune_trials(exp_dir):
+    for trial in load_tune_trials(Path(exp_dir)):
         trial_id = trial.trial_id
-        for rec in read_reports(remote.location(exp_dir), trial):
+        for rec in trial.reports():
             if "step" not in rec or any(_flag(rec.get(k)) for k in (*FLAGS, "replayed")):
                 continue
             rows[trial_id, rec["step"]] = {

@@ -12,6 +12,7 @@ the newest intact checkpoint folder in its trial folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,59 +27,55 @@ PREFIX = "checkpoint_"  # a trial's checkpoint folders: checkpoint_000000, check
 class TuneTrial:
     trial_id: str
     status: str  # PENDING, RUNNING, PAUSED, TERMINATED, ERROR
-    config: dict[str, Any] = field(default_factory=dict)
-    last_result: dict[str, Any] = field(default_factory=dict)
-    path: str = ""  # its folder, as a user writes it (with the scheme in object storage)
-    checkpoint: str = ""  # its newest checkpoint folder, likewise ('' where none)
+    config: dict[str, Any]
+    last_result: dict[str, Any]
+    fs: Any = field(repr=False)  # the pyarrow filesystem of the experiment
+    folder: str = ""  # its trial folder inside `fs`
+
+    @property
+    def path(self) -> str:
+        """Its folder, as a user writes it (with the scheme in object storage)."""
+        return remote.shown_path(self.folder, self.fs)
+
+    def newest_checkpoint(self) -> str:
+        """Its newest intact checkpoint folder, as a user writes it ('' where none)."""
+        found = checkpoint_folders(self.fs, self.folder)
+        return remote.shown_path(found[-1], self.fs) if found else ""
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Every report, from its `result.json` (a last line cut short by a killed driver is
+        left out)."""
+        try:
+            with self.fs.open_input_stream(f"{self.folder}/result.json") as f:
+                lines = f.read().decode("utf-8", errors="replace").splitlines()
+        except OSError:  # FileNotFoundError included: no report yet
+            return []
+        reports = []
+        for line in lines:
+            with contextlib.suppress(json.JSONDecodeError):
+                reports.append(json.loads(line))
+        return reports
 
 
 def read_tune_trials(where: str) -> list[TuneTrial]:
     """The trials of the experiment in folder or URI `where`, from its newest saved state."""
-    fs, root = _open(where)
-    state = _read_json(fs, _newest_state(fs, root))
+    fs, root = remote.open_location(where)
+    with fs.open_input_stream(_newest_state(fs, root)) as f:
+        state = json.loads(f.read())
     trials = []
     for trial_json, meta_json in state["trial_data"]:
         trial, meta = json.loads(trial_json), json.loads(meta_json)
-        folder = f"{root}/{trial['relative_logdir']}"
-        checkpoints = checkpoint_folders(fs, folder)
         trials.append(
             TuneTrial(
                 trial_id=trial["trial_id"],
                 status=trial["status"],
                 config=_plain(trial.get("config")),
                 last_result=_plain(meta.get("last_result")),
-                path=remote.shown_path(folder, fs),
-                checkpoint=remote.shown_path(checkpoints[-1], fs) if checkpoints else "",
+                fs=fs,
+                folder=f"{root}/{trial['relative_logdir']}",
             )
         )
     return trials
-
-
-def read_reports(where: str, trial: TuneTrial) -> list[dict[str, Any]]:
-    """Every report of `trial`, from its `result.json` (a last line cut short by a killed driver
-    is left out)."""
-    fs, root = _open(where)
-    folder = trial.path.rsplit("/", 1)[1]
-    try:
-        with fs.open_input_stream(f"{root}/{folder}/result.json") as f:
-            lines = f.read().decode("utf-8", errors="replace").splitlines()
-    except (FileNotFoundError, OSError):
-        return []
-    reports = []
-    for line in lines:
-        try:
-            reports.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return reports
-
-
-def _open(where: str) -> tuple[Any, str]:
-    import pyarrow.fs
-
-    if remote.is_uri(where):
-        return remote.filesystem(where)
-    return pyarrow.fs.LocalFileSystem(), where
 
 
 def _newest_state(fs: Any, root: str) -> str:
@@ -90,11 +87,6 @@ def _newest_state(fs: Any, root: str) -> str:
     if not found:
         raise FileNotFoundError(f"no experiment_state-*.json in {root}")
     return max(found)
-
-
-def _read_json(fs: Any, path: str) -> dict[str, Any]:
-    with fs.open_input_stream(path) as f:
-        return json.loads(f.read())
 
 
 def _plain(value: Any) -> dict[str, Any]:
