@@ -82,8 +82,25 @@ TRAIN_SETTINGS = (
 
 
 def job_runtime_env() -> dict[str, Any]:
-    """The runtime_env of gptrun's Ray job: the Ray Train settings set in this process."""
-    return {"env_vars": {name: os.environ[name] for name in TRAIN_SETTINGS if name in os.environ}}
+    """The runtime_env of gptrun's Ray job: the Ray Train settings set in this process, and the
+    hook that tells each worker which cluster it is in (`point_at_own_cluster`)."""
+    return {
+        "env_vars": {name: os.environ[name] for name in TRAIN_SETTINGS if name in os.environ},
+        "worker_process_setup_hook": "experiments.cluster.point_at_own_cluster",
+    }
+
+
+def point_at_own_cluster() -> None:
+    """Set $RAY_ADDRESS in a Ray worker of gptrun's job to the cluster the worker belongs to.
+
+    Ray Train's placement-group cleaner asks Ray's state API about its controller with no
+    address, and Ray then finds "the" cluster from $RAY_ADDRESS, else by the GCS processes on
+    the machine: beside a second Ray (another user's `ray start`, a test cluster) that fails with
+    "Found multiple active Ray instances", or picks the other one. The cleaner's thread dies, the
+    finished DDP trial's CPUs are never given back, and the next trial waits for them forever."""
+    import ray
+
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
 
 
 @contextlib.contextmanager

@@ -381,11 +381,14 @@ def test_a_sampled_value_the_config_refuses_fails_that_trial_with_its_reason(tin
 
 
 @pytest.mark.slow
-def test_ddp_trial_stopped_by_asha_is_not_an_error(tiny_data, tmp_path):
+def test_ddp_trial_stopped_by_asha_is_not_an_error(tiny_data, tmp_path, shared_ray):
     """ASHA stopping a 2-worker trial aborts its Ray Train run inside the Tune trial: that is a
     stop, not a failure to report (no `report ... outside a Tuner` warning, no error status).
     One trial at a time, on any number of cores: the second meets ASHA's rung after the first
-    (the baseline) and, worse there, is stopped."""
+    (the baseline) and, worse there, is stopped. The sweep starts a local Ray of its own beside
+    another one on the machine (`shared_ray`): Ray Train's placement-group cleaner must still
+    find its own cluster and give the first trial's CPUs back, or the second trial waits for
+    them until the timeout ("Found multiple active Ray instances")."""
     from experiments.results import load_trials
 
     config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=16, sweep_keys="max_concurrent = 1")
