@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from experiments.cluster import job_runtime_env
 from experiments.config import load_experiment
 from experiments.train import build_trainer, train_on_ray
 from gptcore.errors import UserError
@@ -25,8 +26,17 @@ from tests.conftest import REPO, assert_user_error, committed_step, run_cli, tin
 def ray_local():
     import ray
 
-    # The dashboard serves the state API that finds worker pids (kept on localhost).
-    ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", logging_level="warning")
+    # The dashboard serves the state API that finds worker pids (kept on localhost). A Ray of the
+    # module's own, even beside the session's shared one, with gptrun's runtime_env (its workers
+    # are told their cluster: `point_at_own_cluster`).
+    ray.init(
+        address="local",
+        runtime_env=job_runtime_env(),
+        num_cpus=2,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        logging_level="warning",
+    )
     yield
     ray.shutdown()
 
@@ -60,9 +70,11 @@ def test_two_workers_match_one_worker_with_the_same_global_batch(ray_local, tiny
 
 
 def train_worker_pids() -> list[int]:
+    import ray
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    own = ray.get_runtime_context().gcs_address  # not "the" Ray: the session's shared one runs too
+    actors = list_actors(address=own, filters=[("state", "=", "ALIVE")], limit=1000)
     return [a.pid for a in actors if "RayTrainWorker" in a.class_name and a.pid]
 
 

@@ -161,13 +161,14 @@ def test_searched_optimizer_keys_are_carried_not_compared(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mup_sweep(tiny_data, tmp_path_factory) -> Path:
+def mup_sweep(tiny_data, tmp_path_factory, shared_ray) -> Path:
     """A real 3-trial µP sweep of the tiny proxy (d_model 64 = the base width, output x2)."""
     folder = tmp_path_factory.mktemp("mup_sweep")
     config = write_sweep_config(tiny_data, folder, n=3, max_steps=16, sweep_keys="max_concurrent = 1")
     mup = 'preset = "tiny"\nmup_base_width = 64\nmup_output_mult = 2.0'
     config.write_text(config.read_text().replace('preset = "tiny"', mup))
-    proc = run_cli("sweep", str(config), "--name", "proxy", "--storage", str(folder / "sweeps"), timeout=600)
+    storage = str(folder / "sweeps")
+    proc = run_cli("sweep", str(config), "--name", "proxy", "--storage", storage, env=shared_ray, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return folder / "sweeps" / "proxy"
 
