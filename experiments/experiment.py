@@ -115,8 +115,14 @@ def saved_meta(exp_dir: Path, uri: str | None = None) -> dict[str, Any]:
 
 
 def study_url(cfg: RayExperiment, exp_dir: Path) -> str:
-    """Where the Optuna study lives: `sweep.storage_url`, or sqlite in the experiment folder."""
-    return cfg.sweep.storage_url or f"sqlite:///{(exp_dir / STUDY_FILE).resolve()}"
+    """Where the Optuna study lives: `sweep.storage_url`, or sqlite in the experiment folder (its
+    path percent-encoded: SQLAlchemy reads `?` as the start of the query, `%41` as `A`)."""
+    from sqlalchemy.engine import URL
+
+    if cfg.sweep.storage_url:
+        return cfg.sweep.storage_url
+    path = str((exp_dir / STUDY_FILE).resolve())
+    return URL.create("sqlite", database=path).render_as_string(hide_password=False)
 
 
 def append_event(exp_dir: Path, event: dict[str, Any]) -> None:
