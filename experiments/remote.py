@@ -74,23 +74,24 @@ def check_bucket(uri: str) -> None:
         raise UserError(f"{uri}: bucket {bucket!r} does not exist; create it first or fix the URI")
 
 
-PROBE_TIMEOUT_S = 8.0  # each S3 connect and request; GCS's retries in all
-PROBE_ATTEMPTS = 2  # S3 requests, the first included
+BOUNDED_TIMEOUT_S = 8.0  # each S3 connect and request; GCS's retries in all
+BOUNDED_ATTEMPTS = 2  # S3 requests, the first included
 
 
 def _bounded(fs: Any) -> Any:
     """`fs` with the same options and bounded waits: S3's connect and request timeouts and
-    attempts, GCS's retry time limit. Other filesystems as they are."""
+    attempts, GCS's retry time limit (for the bucket probe, and the uploads made from Tune's
+    callbacks). Other filesystems as they are."""
     import datetime
 
     import pyarrow.fs
 
     rebuild, (options,) = fs.__reduce__()
     if fs.type_name == "s3":
-        options.update(connect_timeout=PROBE_TIMEOUT_S, request_timeout=PROBE_TIMEOUT_S)
-        options["retry_strategy"] = pyarrow.fs.AwsStandardS3RetryStrategy(max_attempts=PROBE_ATTEMPTS)
+        options.update(connect_timeout=BOUNDED_TIMEOUT_S, request_timeout=BOUNDED_TIMEOUT_S)
+        options["retry_strategy"] = pyarrow.fs.AwsStandardS3RetryStrategy(max_attempts=BOUNDED_ATTEMPTS)
     elif fs.type_name == "gcs":
-        options["retry_time_limit"] = datetime.timedelta(seconds=PROBE_TIMEOUT_S)
+        options["retry_time_limit"] = datetime.timedelta(seconds=BOUNDED_TIMEOUT_S)
     else:
         return fs
     return rebuild(options)
@@ -207,39 +208,44 @@ def read_text(uri: str) -> str | None:
         return src.read().decode("utf-8")
 
 
-def upload(folder: Path, name: str) -> None:
-    """Copy `folder/name` to the experiment's URI when `folder` is (inside) a working copy."""
+def upload(folder: Path, name: str, *, bounded: bool = False) -> None:
+    """Copy `folder/name` to the experiment's URI when `folder` is (inside) a working copy;
+    `bounded`: through the filesystem with short timeouts and few attempts (`_bounded`)."""
     target = location(folder)
     if not is_uri(target):
         return
     fs, path = filesystem(f"{target}/{name}")
-    with open(folder / name, "rb") as src, fs.open_output_stream(path) as out:
+    with open(folder / name, "rb") as src, (_bounded(fs) if bounded else fs).open_output_stream(path) as out:
         shutil.copyfileobj(src, out)
 
 
 APPEND_ONLY = "events.jsonl"  # grows by lines: uploaded in batches, merged on a pull
 BATCH_S = 5.0  # an append-only file is uploaded at most this often (and at the sweep's end)
-_uploaded: dict[Path, float] = {}  # file -> when it was last uploaded by this process
+RETRY_S = 60.0  # after a failed upload, the next try waits this long
+_next_upload: dict[Path, float] = {}  # file -> when this process may upload it again
 
 
 def upload_soon(folder: Path, name: str, *, now: bool = False) -> None:
     """Upload a file that grows by appends (`events.jsonl`), at most every `BATCH_S` seconds
     unless `now`: an object store has no append, so each upload is the whole file, and one per
-    event made the traffic grow with the square of the events. A failed upload is one warning
-    and tried again at the next call; it never ends the sweep (the local copy has every line)."""
+    event made the traffic grow with the square of the events. It runs in a Tune callback, on
+    the driver's loop, so it is bounded (`_bounded`: an endpoint that stopped answering held
+    each event for 99 s) and a failure is one warning, tried again `RETRY_S` later with every
+    line written since; it never ends the sweep (the local copy has every line)."""
     import time
 
     path = folder / name
     if not path.exists():  # nothing written yet
         return
-    if not now and time.monotonic() - _uploaded.get(path, float("-inf")) < BATCH_S:
+    if not now and time.monotonic() < _next_upload.get(path, float("-inf")):
         return
+    wait = BATCH_S
     try:
-        upload(folder, name)
+        upload(folder, name, bounded=True)
     except (OSError, UserError) as err:
         print(f"warning: {name} not uploaded ({_first_line(err)}); trying again later", flush=True)
-        return
-    _uploaded[path] = time.monotonic()
+        wait = RETRY_S
+    _next_upload[path] = time.monotonic() + wait
 
 
 def open_location(where: str) -> tuple[Any, str]:

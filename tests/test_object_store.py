@@ -284,3 +284,28 @@ def test_events_are_uploaded_in_batches_and_a_failed_upload_ends_nothing(s3, tmp
     remote.upload_soon(folder, EVENTS_FILE, now=True)
     assert "warning: events.jsonl not uploaded" in capsys.readouterr().out
     assert len((folder / EVENTS_FILE).read_text().splitlines()) == 21
+
+
+def test_an_endpoint_that_stops_answering_holds_the_sweep_within_bounds(s3, tmp_path, monkeypatch, capsys):
+    """Events are appended from Tune's callbacks, on the driver's loop. With the endpoint taking
+    connections but never answering, an upload gives up within its own bounds (it held each
+    event for 99 s), says so once, and the events after it wait for the next try instead of each
+    trying again; the next flush once the store answers uploads every line."""
+    from experiments import remote
+    from experiments.experiment import EVENTS_FILE, append_event
+
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)
+    uri = f"s3://{BUCKET}/dark/exp"
+    folder = remote.open_working_copy(uri, pull=False)
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as dark:  # connects, never answers
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{dark.getsockname()[1]}")
+        start = time.monotonic()
+        for i in range(10):
+            append_event(folder, {"event": "start", "trial_id": str(i), "unix": 0.0})
+        took = time.monotonic() - start
+    assert took < 3 * remote.BOUNDED_TIMEOUT_S * remote.BOUNDED_ATTEMPTS, took
+    assert capsys.readouterr().out.count("warning: events.jsonl not uploaded") == 1
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3["AWS_ENDPOINT_URL"])
+    remote.upload_soon(folder, EVENTS_FILE, now=True)  # the sweep's end
+    assert len(remote.read_text(f"{uri}/{EVENTS_FILE}").splitlines()) == 10
