@@ -265,11 +265,45 @@ def has_tune_state(where: str) -> bool:
 
 
 def exists(uri: str) -> bool:
-    """Whether anything is stored under `uri`."""
+    """Whether anything is stored under `uri`: an object, or a folder that holds one (an empty
+    folder marker, which pyarrow writes where it deletes a folder's last object, is nothing)."""
     import pyarrow.fs
 
     fs, path = filesystem(uri)
-    return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
+    kind = fs.get_file_info(path).type
+    if kind == pyarrow.fs.FileType.Directory:
+        return bool(fs.get_file_info(pyarrow.fs.FileSelector(path)))
+    return kind != pyarrow.fs.FileType.NotFound
+
+
+CLAIM_PREFIX = ".gptrun-claim-"  # one object per sweep that claimed the name (`claim`)
+
+
+def claim(uri: str) -> bool:
+    """Take the name `uri` for a new sweep: True for at most one of the sweeps that try at once.
+    pyarrow.fs has no exclusive create (S3's If-None-Match, GCS's generation 0), so each
+    claimant writes an object of its own under `uri` and then lists it: S3 and GCS list every
+    object written before the listing began, so of two claimants the one that lists last sees
+    both. Only one that finds nothing but its own object goes on; the others remove theirs and
+    give way (two at the same moment may both give way; two never both go on). The winner's
+    object stays: the name is taken from then on, as a local sweep's `mkdir` takes it. (A
+    loser's delete leaves the empty folder marker pyarrow writes for a parent; `exists` looks
+    past it.)"""
+    import secrets
+
+    import pyarrow.fs
+
+    if exists(uri):  # taken long ago: nothing of ours is written there
+        return False
+    fs, path = filesystem(uri)
+    mine = f"{path}/{CLAIM_PREFIX}{secrets.token_hex(8)}"
+    with fs.open_output_stream(mine):
+        pass
+    found = fs.get_file_info(pyarrow.fs.FileSelector(path))
+    if [f.path for f in found] == [mine]:
+        return True
+    fs.delete_file(mine)
+    return False
 
 
 def delete(uri: str) -> None:

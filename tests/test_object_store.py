@@ -309,3 +309,44 @@ def test_an_endpoint_that_stops_answering_holds_the_sweep_within_bounds(s3, tmp_
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3["AWS_ENDPOINT_URL"])
     remote.upload_soon(folder, EVENTS_FILE, now=True)  # the sweep's end
     assert len(remote.read_text(f"{uri}/{EVENTS_FILE}").splitlines()) == 10
+
+
+def test_of_sweeps_claiming_one_name_at_once_at_most_one_goes_on(s3, tiny_data, tmp_path, monkeypatch):
+    """A name in object storage is claimed with an object of one's own, then a listing: of eight
+    sweeps claiming one name at the same moment at most one goes on (a second look at the name
+    let all eight on), the others leave nothing that takes the name, and once taken it is
+    refused."""
+    import threading
+
+    from experiments import remote
+    from experiments.sweep import claim_name, plan_sweep
+    from gptcore.errors import UserError
+
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)
+    config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=4)
+    plan = plan_sweep(
+        str(config), [], name="same", storage=f"s3://{BUCKET}/claims", restart=False, address="x"
+    )
+    start, won = threading.Barrier(8), []
+
+    def claim() -> None:
+        start.wait()
+        try:
+            claim_name(plan)
+            won.append(True)
+        except UserError:
+            won.append(False)
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(won) == 8 and won.count(True) <= 1, won
+    claims = [k for k in keys(s3, "claims/same/") if remote.CLAIM_PREFIX in k]
+    assert len(claims) == won.count(True) and remote.exists(plan.uri) is any(won)
+    if not any(won):  # all eight gave way: the name is still free
+        claim_name(plan)
+    with pytest.raises(UserError, match="was created while this sweep waited"):
+        claim_name(plan)
