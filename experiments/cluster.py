@@ -20,8 +20,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs
-
 from experiments.private_api import reload_ray_auth
 from gptcore.errors import UserError
 
@@ -395,19 +393,19 @@ def cluster_size() -> tuple[float, float]:
 
 
 def check_storage(storage: str | None, default: str) -> str:
-    """`--storage` (or `default`) as an absolute local path or a URI (s3://, gs://, ...) that
-    pyarrow.fs understands, whose bucket exists. Creates nothing (call `create_storage` once the cluster has
-    answered), so a bad --address or a too-small cluster leaves no folder behind."""
+    """`--storage` (or `default`) as an absolute local path or an s3:// / gs:// URI whose bucket
+    exists. Creates nothing (call `create_storage` once the cluster has answered), so a bad
+    --address or a too-small cluster leaves no folder behind."""
     storage = storage or default
     if "://" in storage:
-        try:
-            pyarrow.fs.FileSystem.from_uri(storage)
-        except Exception as err:  # pyarrow raises ArrowInvalid / OSError for bad URIs
-            raise UserError(f"--storage {storage}: {err}") from None
-        if not is_local(storage):  # read-only: the bucket exists, the credentials are accepted
-            from experiments.remote import check_bucket
+        from experiments.remote import check_bucket, filesystem
 
-            check_bucket(storage)
+        try:
+            filesystem(storage)  # a scheme gptrun opens, a URI pyarrow reads
+            if not is_local(storage):  # read-only: the bucket exists, the credentials are accepted
+                check_bucket(storage)
+        except UserError as err:
+            raise UserError(f"--storage {err}") from None
         return storage
     path = Path(storage).expanduser().resolve()
     for parent in (path, *path.parents):

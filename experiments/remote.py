@@ -1,4 +1,4 @@
-"""Experiments in object storage (`s3://bucket/prefix/NAME`, `gs://...`, any URI pyarrow.fs opens).
+"""Experiments in object storage (`s3://bucket/prefix/NAME`, `gs://...`), through pyarrow.fs.
 
 Where no folder is shared by every node (Kubernetes without a ReadWriteMany volume), a sweep keeps
 its state under a URI: Ray Tune writes its experiment state, the trials' results and checkpoints
@@ -31,6 +31,7 @@ CHECK_TIMEOUT_S = 30.0  # the probe's outer bound; its own bounds (`_bounded`) e
 # gptrun's own files of an experiment (and of its confirm run): what a working copy pulls.
 OWN_FILES = ("gptrun.toml", "sweep.json", "events.jsonl", "best.toml", "noise.json")
 SCHEMES = {"gcs": "gs"}  # pyarrow's filesystem type name -> the URI scheme users write
+URI_SCHEMES = ("s3", "gs", "gcs", "file")  # what `filesystem` opens (gs:// and gcs:// alike)
 
 
 def is_uri(location: str | Path) -> bool:
@@ -39,9 +40,18 @@ def is_uri(location: str | Path) -> bool:
 
 
 def filesystem(uri: str) -> tuple[Any, str]:
-    """(pyarrow filesystem, path inside it) of `uri`, or one line when pyarrow cannot open it."""
+    """(pyarrow filesystem, path inside it) of `uri`, or one line when pyarrow cannot open it or
+    its scheme is not one gptrun is tested with (S3 and GCS, whose errors `_storage_error` names;
+    pyarrow's Azure client aborted the process, with no error to catch, where it found no
+    credentials)."""
     import pyarrow.fs
 
+    scheme = uri.partition("://")[0].lower()
+    if scheme not in URI_SCHEMES:
+        raise UserError(
+            f"{uri}: gptrun keeps experiments in s3:// or gs:// object storage, not {scheme}://; "
+            "give one of those, or a folder (on a cluster, one that every node mounts)"
+        )
     try:
         return pyarrow.fs.FileSystem.from_uri(uri)
     except Exception as err:  # ArrowInvalid / OSError: an unknown scheme, a malformed URI

@@ -137,6 +137,43 @@ def test_gs_without_google_credentials_is_one_line_and_exits(tiny_data, tmp_path
     assert not (tmp_path / "cache" / "remote").exists()
 
 
+def test_gs_whose_metadata_server_never_answers_exits_within_the_bound(tmp_path):
+    """Off Google Cloud, where the metadata server's address swallows connections (a firewall
+    that drops packets), GCS's retry limit does not bound the credential lookup: the outer bound
+    ends the wait, and the probe thread, still inside pyarrow, must not hold the exit (an
+    executor's thread is joined at exit: the process never ended)."""
+    from experiments.remote import CHECK_TIMEOUT_S
+
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as dark:  # connects, never answers
+        env = {
+            "HOME": str(tmp_path),
+            "GOOGLE_APPLICATION_CREDENTIALS": "",
+            "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"),
+            "GCE_METADATA_ROOT": f"127.0.0.1:{dark.getsockname()[1]}",
+            "GPTRUN_CACHE_DIR": str(tmp_path / "cache"),
+        }
+        start = time.monotonic()
+        proc = run_cli("report", "gs://gptrun-dark-metadata/sweeps/x", env=env, timeout=CHECK_TIMEOUT_S + 30)
+    assert_user_error(proc, f"did not answer within {CHECK_TIMEOUT_S:g}s", "GOOGLE_APPLICATION_CREDENTIALS")
+    assert "AWS_ENDPOINT_URL" not in proc.stderr and time.monotonic() - start < CHECK_TIMEOUT_S + 20
+
+
+@pytest.mark.parametrize("command", ["sweep", "report"])
+def test_a_scheme_other_than_s3_or_gs_is_one_line(tiny_data, tmp_path, command):
+    """pyarrow opens more schemes than gptrun is tested with; its Azure client, finding no
+    credentials, aborted the process (exit 134, no error to catch)."""
+    env = {"HOME": str(tmp_path), "GPTRUN_CACHE_DIR": str(tmp_path / "cache")}
+    where = "abfs://sweeps@account.dfs.core.windows.net/sweeps"
+    if command == "sweep":
+        config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
+        args = ["sweep", str(config), "--storage", where]
+    else:
+        args = [command, f"{where}/x"]
+    proc = run_cli(*args, env=env, timeout=120)
+    assert_user_error(proc, "s3:// or gs://", "not abfs://")
+    assert not (tmp_path / "cache").exists()
+
+
 def saved_states(env: dict[str, str], prefix: str) -> list[str]:
     """The texts of Tune's experiment states under `prefix` (what a resume reads)."""
     client = s3_client(env)
