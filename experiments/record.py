@@ -112,8 +112,7 @@ def read_records(url: str, name: str) -> dict[str, TrialRecord]:
 
     from experiments.storage import rdb_storage
 
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
+    if url.startswith("sqlite:") and not Path(make_url(url).database or "").is_file():
         return {}
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:

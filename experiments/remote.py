@@ -225,7 +225,9 @@ def upload(folder: Path, name: str, *, bounded: bool = False) -> None:
     if not is_uri(target):
         return
     fs, path = filesystem(f"{target}/{name}")
-    with open(folder / name, "rb") as src, (_bounded(fs) if bounded else fs).open_output_stream(path) as out:
+    if bounded:
+        fs = _bounded(fs)
+    with open(folder / name, "rb") as src, fs.open_output_stream(path) as out:
         shutil.copyfileobj(src, out)
 
 
