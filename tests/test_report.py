@@ -27,7 +27,7 @@ from experiments.report.common import CommonBudget, analysis_study, common_budge
 from experiments.report.data import trial_rows
 from experiments.report.importance import MIN_TRIALS, importances, too_few
 from experiments.report.interactive import parallel_figure
-from experiments.report.page import baseline_note, report_page
+from experiments.report.page import report_page
 from experiments.results import print_table
 from experiments.space import apply_overrides, parse_space
 from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
@@ -265,10 +265,12 @@ class Page(HTMLParser):
         self.refs: list[tuple[str, str]] = []  # (tag, src or href)
         self.ids: set[str] = set()
         self.scripts: list[str] = []
+        self.tags: list[tuple[str, dict[str, str | None]]] = []  # every element, with its attributes
         self.feed(html)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attr = dict(attrs)
+        self.tags.append((tag, attr))
         self.refs += [(tag, attr[k] or "") for k in ("src", "href") if k in attr]
         if "id" in attr:
             self.ids.add(attr["id"] or "")
@@ -343,13 +345,33 @@ def test_page_from_made_up_trials(tmp_path: Path) -> None:
     assert ranked.note in html
 
 
-def test_config_strings_on_the_page_are_escaped() -> None:
-    """A searched string value (here a data folder named like markup) is text, not HTML."""
-    name = "<script>alert(1)</script>"
+MARKUP = "<script>alert(1)</script><img src=x onerror=alert(2)>'\" onmouseover='alert(3)"
+
+
+def test_every_string_on_the_page_is_escaped(tmp_path: Path) -> None:
+    """Markup in whatever a sweep's files hold (a config value, the sweep's name, a trial's
+    reason, checkpoint path and node) is text on the page: the only scripts are plotly.js and the
+    plots', and no element gets an event handler."""
     cfg = load_experiment(QUICKSTART)
-    cfg = apply_overrides(cfg, {"data.dir": name, "sweep.space": {"data.dir": {"choice": [name, "x"]}}})
-    html = baseline_note(cfg, parse_space(cfg), [])
-    assert "<script>" not in html and "dir=&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    cfg = apply_overrides(cfg, {"data.dir": MARKUP, "sweep.space": {"data.dir": {"choice": [MARKUP, "x"]}}})
+    space = parse_space(cfg)
+    trials, curves = _made_up_sweep(8)
+    for t in trials:
+        t["config"]["data.dir"] = MARKUP
+        t.update(reason=MARKUP, node_id=MARKUP, checkpoint=f"/sweeps/{MARKUP}")
+    exp_dir = tmp_path / "<b onmouseover=alert(4)>"
+    common = common_budget(trials, curves)
+    rows = trial_rows(trials, common)
+    study = analysis_study(common, trials, space)
+    ranked = importances(study, resamples=20)
+    html = report_page(
+        exp_dir, tmp_path, cfg, space, trials, rows, curves, common, study, ranked, best_trial(trials), None
+    )
+    page = Page(html)
+    plots = re.findall(r"Plotly\.newPlot\(", html)
+    assert [tag for tag, _ in page.tags].count("script") == 1 + len(plots) and plots
+    assert not [(tag, a) for tag, attrs in page.tags for a in attrs if a.startswith("on")]
+    assert "dir=&lt;script&gt;alert(1)&lt;/script&gt;" in html  # the baseline config, as text
 
 
 def test_page_says_why_plots_are_missing(tmp_path: Path) -> None:

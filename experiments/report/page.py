@@ -162,7 +162,7 @@ def trial_table(
     keys = [k for k in rows[0] if k != "common_tokens"]
     head = "".join(_header(k, common) for k in keys)
     body = "".join(
-        f"<tr class='{r['status'].replace(' ', '-')}'>"
+        f"<tr class='{escape(r['status'].replace(' ', '-'))}'>"
         + "".join(_cell(k, r[k], sci, paths.get(r["trial_id"], ""), nodes, out_dir) for k in keys)
         + "</tr>"
         for r in rows
@@ -237,7 +237,7 @@ def warm_start_html(history: list[Any], line: str) -> str:
     rows = "".join(
         f"<tr><td>{escape(str(t.user_attrs[WARM_FROM]))}</td><td>{escape(str(t.user_attrs[WARM_TRIAL]))}"
         f"</td><td>{'completed' if t.state.name == 'COMPLETE' else 'stopped early'}</td>"
-        f"<td>{_text(t.value)}</td><td>{fmt_tokens(max(t.intermediate_values, default=0))}</td>"
+        f"<td>{escape(_text(t.value))}</td><td>{fmt_tokens(max(t.intermediate_values, default=0))}</td>"
         f"<td>{escape(', '.join(f'{k}={_text(v)}' for k, v in short_params(t.params).items()))}</td></tr>"
         for t in sorted(history, key=lambda t: t.value)
     )
@@ -258,8 +258,8 @@ def noise_html(noise: dict[str, Any] | None, exp_dir: Path, out_dir: Path) -> st
         )
     line = noise_line(noise)
     rows = "".join(
-        f"<tr><td>{escape(r['trial_id'])}</td><td>{_text(r['sweep_val_loss'])}</td>"
-        f"<td>{_text(r['mean'])}</td><td>{_text(r['std'])}</td>"
+        f"<tr><td>{escape(r['trial_id'])}</td><td>{escape(_text(r['sweep_val_loss']))}</td>"
+        f"<td>{escape(_text(r['mean']))}</td><td>{escape(_text(r['std']))}</td>"
         f"<td>{len(r['losses'])}</td></tr>"
         for r in noise["candidates"]
     )
