@@ -308,6 +308,7 @@ def test_page_from_made_up_trials(tmp_path: Path) -> None:
     trials[-1]["status"], trials[-1]["val_loss"] = "diverged", math.nan
     for t in trials:
         t["path"] = str(tmp_path / "demo" / f"trial_{t['trial_id']}")
+        t["checkpoint"] = f"{t['path']}/checkpoint_000003"
         Path(t["path"]).mkdir(parents=True)
     out = tmp_path / "demo" / "report"
     out.mkdir()
@@ -342,6 +343,11 @@ def test_page_from_made_up_trials(tmp_path: Path) -> None:
     assert f"<td>{fmt_sci(trials[0]['config']['optim.lr'])}</td>" in html and "<td>307k</td>" in html
     assert f"<a href='../trial_{trials[0]['trial_id']}/'>{trials[0]['trial_id']}</a>" in html
     assert "title='stopped by ASHA at a rung" in html and "Best trial <b>" in html
+    # A checkpoint shows its folder's name in a block cut to the column's width (a cell's own
+    # max-width is undefined in CSS), all of its path on hover.
+    checkpoint = trials[0]["checkpoint"]
+    assert f"<td class='path' title='{checkpoint}'><div>checkpoint_000003</div></td>" in html
+    assert "td.path div{max-width:16em;overflow:hidden;text-overflow:ellipsis}" in html
     assert ranked.note in html
 
 
@@ -454,8 +460,7 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
         assert base64.b64encode((out / name).read_bytes()).decode() in page, name
     assert "<a href='curves.png'>" not in page
     checkpoint = rows[0]["checkpoint"]  # cut to its column's width (CSS), the full path on hover
-    assert f"<td class='path' title='{checkpoint}'>{Path(checkpoint).name}</td>" in page
-    assert "td.path{max-width:16em;overflow:hidden;text-overflow:ellipsis" in page
+    assert f"<td class='path' title='{checkpoint}'><div>{Path(checkpoint).name}</div></td>" in page
     for r in rows:  # each trial links to its own folder
         assert (
             f"/{finished_sweep.name}/{_trial_dir(finished_sweep, r['trial_id'])}/'>{r['trial_id']}</a>"

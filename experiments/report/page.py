@@ -50,7 +50,7 @@ td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}
 th.at,td.at{background:#eef4fb;font-weight:bold} tr.unfinished{background:#ffe9c7;font-style:italic}
 tr.stopped-early,tr.cut-by-budget{color:#555} tr.diverged,tr.refused,tr.error{color:#a00}
 img{max-width:100%} p.note{background:#f6f6f6;padding:.5em 1em;border-left:4px solid #888}
-td.path{max-width:16em;overflow:hidden;text-overflow:ellipsis;text-align:left}"""
+td.path{text-align:left} td.path div{max-width:16em;overflow:hidden;text-overflow:ellipsis}"""
 
 
 def report_page(
@@ -218,8 +218,9 @@ def _cell(key: str, value: Any, sci: set[str], path: str, nodes: dict[str, str],
     if key.endswith("_s") and isinstance(value, float):
         return f"<td>{'-' if math.isnan(value) else f'{value:.3g}s'}</td>"
     if key in ("checkpoint", "reason") and value:  # cut to the column's width; all of it on hover
+        # The width is the inner block's: CSS leaves max-width on a table cell undefined.
         shown = Path(value).name if key == "checkpoint" else value  # the trial is in its own column
-        return f"<td class='path' title='{escape(value)}'>{escape(shown)}</td>"
+        return f"<td class='path' title='{escape(value)}'><div>{escape(shown)}</div></td>"
     if key == "node_id":
         return f"<td title='{escape(value)}'>{escape(nodes.get(value, '-'))}</td>"
     return f"<td>{escape(_text(value))}</td>"
