@@ -21,7 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 from matplotlib.image import imread
 
+from experiments.cli import main
 from experiments.config import load_experiment
+from experiments.experiment import start_experiment
 from experiments.outcome import best_trial
 from experiments.report.common import CommonBudget, analysis_study, common_budget
 from experiments.report.data import trial_rows
@@ -619,8 +621,50 @@ def test_report_on_a_damaged_sweep_is_one_line(finished_sweep: Path, tmp_path: P
     else:
         state = sorted(copy.glob("experiment_state-*.json"))[-1]
         state.write_text(state.read_text()[:200])
-        needle = "Tune's saved state in"
+        needle = f"Tune's saved state {state} is damaged"
     assert_user_error(run_cli("report", str(copy), "--out", str(tmp_path / "r")), needle, "--restart")
+    assert not (tmp_path / "r").exists()
+
+
+STATE = "experiment_state-2026-01-01_00-00-00.json"
+TRIAL = {"trial_id": "a1", "status": "TERMINATED", "config": {}, "relative_logdir": "trial_a1"}
+
+
+@pytest.mark.parametrize(
+    "name, text, needle",
+    [
+        (STATE, json.dumps({"trial_data": [[json.dumps(TRIAL), "{}"]]})[:40], "Tune's saved state"),
+        (STATE, json.dumps({"trial_data": [[json.dumps(TRIAL), "[]"]]}), "Tune's saved state"),
+        (STATE, json.dumps({"trial_data": [[json.dumps(TRIAL)]]}), "Tune's saved state"),
+        (STATE, "[]", "Tune's saved state"),
+        ("sweep.json", "{not json", "not a JSON object"),
+        ("sweep.json", '{"max_concurrent": 1}', "trial_tokens is None, not a positive integer"),
+        ("sweep.json", '{"trial_tokens": "2048"}', "trial_tokens is '2048', not a positive integer"),
+        ("noise.json", '{"candidates": [', "gptrun confirm"),
+    ],
+    ids=[
+        "state-cut-short",
+        "state-trial-metadata-not-an-object",
+        "state-trial-metadata-missing",
+        "state-not-an-object",
+        "sweep.json-not-json",
+        "sweep.json-no-budget",
+        "sweep.json-budget-as-text",
+        "noise.json-cut-short",
+    ],
+)
+def test_a_damaged_file_of_a_sweep_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str, needle: str
+) -> None:
+    """Each file `report` reads, cut short or not in the shape gptrun and Tune write, is one line
+    naming it and what to do, exit 2, and no report file is written (a made-up sweep folder)."""
+    exp_dir = tmp_path / "sweep"
+    start_experiment(exp_dir, load_experiment(QUICKSTART), {"max_concurrent": 1})
+    (exp_dir / STATE).write_text(json.dumps({"trial_data": []}))
+    (exp_dir / name).write_text(text)
+    assert main(["report", str(exp_dir), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{exp_dir / name} is damaged" in err and needle in err, err
     assert not (tmp_path / "r").exists()
 
 

@@ -32,6 +32,7 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     experiment in object storage, NAME-report in the current folder: the report is local)."""
     exp_dir = open_experiment(experiment_dir)  # a URI: its working copy, after a bucket check
     trials = load_trials(exp_dir)  # UserError for a folder that is not a sweep
+    noise = read_noise(exp_dir)  # every file read before any is written
     figure = figure_factory()  # UserError without matplotlib or plotly, before anything is written
     check_plotly()
     cfg = load_experiment(exp_dir / "gptrun.toml")
@@ -69,7 +70,6 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     ranked = importances(study)
     draw_importance(figure, ranked, common, out_dir)
     print(f"importances: {ranked.note or ', '.join(f'{k} {v:.2f}' for k, v in ranked.point.items())}")
-    noise = read_noise(exp_dir)
     (out_dir / "noise.png").unlink(missing_ok=True)  # never leave a stale one behind
     if noise is not None:
         print_noise(noise)
