@@ -627,6 +627,25 @@ def test_report_on_a_damaged_sweep_is_one_line(finished_sweep: Path, tmp_path: P
 
 
 STATE = "experiment_state-2026-01-01_00-00-00.json"
+
+
+def _empty_sweep(tmp_path: Path) -> Path:
+    """A made-up sweep folder whose Tune state holds no trial yet (report reads it in a second)."""
+    exp_dir = tmp_path / "sweep"
+    start_experiment(exp_dir, load_experiment(QUICKSTART), {"max_concurrent": 1})
+    (exp_dir / STATE).write_text(json.dumps({"trial_data": []}))
+    return exp_dir
+
+
+def test_a_report_folder_that_cannot_be_written_is_one_line_before_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sysfs takes no new folder, not even root's: refused before anything is printed."""
+    assert main(["report", str(_empty_sweep(tmp_path)), "--out", "/sys/gptrun/report"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1 and "--out /sys/gptrun/report is not writable" in err, err
+
+
 TRIAL = {"trial_id": "a1", "status": "TERMINATED", "config": {}, "relative_logdir": "trial_a1"}
 
 
@@ -658,9 +677,7 @@ def test_a_damaged_file_of_a_sweep_is_one_line_naming_it(
 ) -> None:
     """Each file `report` reads, cut short or not in the shape gptrun and Tune write, is one line
     naming it and what to do, exit 2, and no report file is written (a made-up sweep folder)."""
-    exp_dir = tmp_path / "sweep"
-    start_experiment(exp_dir, load_experiment(QUICKSTART), {"max_concurrent": 1})
-    (exp_dir / STATE).write_text(json.dumps({"trial_data": []}))
+    exp_dir = _empty_sweep(tmp_path)
     (exp_dir / name).write_text(text)
     assert main(["report", str(exp_dir), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err

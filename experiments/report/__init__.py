@@ -25,6 +25,7 @@ from experiments.space import parse_space
 from experiments.storage import dashboard_command
 from experiments.table import fmt_tokens
 from experiments.warm_start import report_history
+from gptcore.atomic import check_writable_dir
 
 
 def report_cli(experiment_dir: str, out: str | None) -> int:
@@ -39,6 +40,7 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     space = parse_space(cfg)
     default = Path(f"{exp_dir.name}-report") if is_uri(experiment_dir) else exp_dir / "report"
     out_dir = Path(out) if out else default
+    check_writable_dir(out_dir, "--out" if out else "the report folder (--out)")  # before the table
     curves = load_curves(exp_dir)
     common = common_budget(trials, curves)
     print_table(trials, space, common)
