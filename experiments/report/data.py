@@ -99,11 +99,3 @@ def read_noise(exp_dir: Path) -> dict[str, Any] | None:
         return noise
     print(f"note: {path} is from an older gptrun; {redo}")
     return None
-    noise = json.loads(path.read_text())
-    if "sweep_std" in noise:
-        return noise
-    print(
-        f"note: {path} is from an older gptrun; run `gptrun confirm` again with the same --top "
-        "and --seeds to recompute it from its finished runs"
-    )
-    return None
