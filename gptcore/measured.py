@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gptcore.atomic import atomic_file
 from gptcore.data import cache_dir
+from gptcore.errors import UserError
 
 
 def table_path(name: str) -> Path:
@@ -37,7 +38,7 @@ def locked_table(name: str) -> Iterator[dict]:
             try:
                 with atomic_file(path) as tmp:
                     tmp.write_text(after)
-            except OSError:
+            except (OSError, UserError):  # UserError: a folder that cannot be written
                 pass
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from gptcore import atomic, train
+from gptcore import atomic, measured, train
 from gptcore import mfu as mfu_mod
 from gptcore.checkpoint import TRAILER_BYTES, load_checkpoint, save_checkpoint
 from gptcore.config import load_config, run_budget
@@ -373,6 +373,19 @@ def test_any_changed_byte_is_a_damaged_checkpoint(tiny_data, tmp_path):
         bad.write_bytes(damaged)
         with pytest.raises(UserError, match="damaged checkpoint .*bad.pt"):
             load_checkpoint(bad)
+
+
+def test_a_write_the_filesystem_refuses_is_one_line_naming_it(monkeypatch):
+    """Any output in a place that cannot be written (sysfs takes no new file, not even root's) is
+    a UserError naming it, whichever atomic writer meets it first; the cache of measurements is
+    the exception: a cache that cannot be kept costs a measurement next time, not the run."""
+    with pytest.raises(UserError, match="^/sys/gptrun/f.txt is not writable .*writable filesystem$"):
+        atomic.write_text_atomic("/sys/gptrun/f.txt", "text")
+    with pytest.raises(UserError, match="^/sys/gptrun/d is not writable"), atomic.atomic_dir("/sys/gptrun/d"):
+        pytest.fail("atomic_dir yielded a folder it could not make")
+    monkeypatch.setenv("GPTRUN_CACHE_DIR", "/sys/gptrun")
+    with measured.locked_table("measured.json") as table:
+        table["figure"] = 1.0
 
 
 def test_atomic_writes_are_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
