@@ -8,6 +8,7 @@ same key checking (unknown keys named, close matches suggested).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,8 @@ def parse_duration(text: str) -> float:
         raise UserError(
             f"sweep.budget={text!r} is not a duration; write e.g. '2h', '30m', '1h30m' or '900s'"
         ) from None
-    if total <= 0:
-        raise UserError(f"sweep.budget={text!r} must be a positive duration")
+    if not 0 < total < math.inf:  # a number too long for a float is inf
+        raise UserError(f"sweep.budget={text!r} must be a positive, finite duration")
     return total
 
 

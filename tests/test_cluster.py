@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import importlib.util
 import json
 import os
 import re
@@ -27,7 +26,13 @@ import pytest
 
 from experiments import cluster
 from gptcore.errors import UserError
-from tests.conftest import REPO, assert_user_error, tiny_config_text, write_sweep_config
+from tests.conftest import (
+    REPO,
+    assert_user_error,
+    load_local_module,
+    tiny_config_text,
+    write_sweep_config,
+)
 
 LOCAL_SH = REPO / "cluster" / "local.sh"
 WAIT_S = 20.0  # GPTRUN_RESOURCE_WAIT_S given to the CLI in these tests (the default)
@@ -210,14 +215,6 @@ def test_check_storage_rejects_files_on_the_way(tmp_path):
 
 
 # ------------------------------------------------------------------ slow: a real 2-node cluster
-
-
-def load_local_module() -> Any:
-    """cluster/local.py as a module (it is a script, not a package), for its /proc helpers."""
-    spec = importlib.util.spec_from_file_location("gptrun_cluster_local", REPO / "cluster" / "local.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def local_sh(*args: str, state: Path, timeout: float = 180) -> subprocess.CompletedProcess:

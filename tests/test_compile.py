@@ -18,7 +18,11 @@ from gptcore.checkpoint import load_checkpoint, save_checkpoint
 from gptcore.config import load_config
 from gptcore.errors import UserError
 from gptcore.train import Trainer
-from tests.conftest import free_ports, run_cli, tiny_config_text
+from tests.conftest import REPO, free_ports, run_cli, tiny_config_text
+
+# What the resume test below asserts of compiled runs, as docs/training.md states it.
+RESUMED_LOSS_REL = "1e-5"  # a compiled run resumed in its own process, every step's loss
+CROSS_MODE_REL = "1e-4"  # a compiled checkpoint resumed eager, and the other way round
 
 
 @pytest.fixture
@@ -145,9 +149,9 @@ def test_compiled_runs_resume_and_checkpoints_cross_modes(tiny_data, tmp_path, c
     assert not [k for k in saved["state"]["model"] if "_orig_mod" in k]
     second = Trainer(compiled, log=None)
     second.load_state_dict(load_checkpoint(path))
-    # Not bit-identical: two fresh compiled CPU runs already differ in the last bit of a loss now
-    # and then (torch 2.13's inductor kernels), unlike eager runs (test_train's resume test).
-    assert first_losses + losses_of(second) == pytest.approx(full_losses, rel=1e-5, abs=0)
+    # Not bit-identical even in one process (torch 2.13's inductor kernels), unlike eager runs
+    # (test_train's resume test); runs in new processes drift further (docs/training.md).
+    assert first_losses + losses_of(second) == pytest.approx(full_losses, rel=float(RESUMED_LOSS_REL), abs=0)
     assert (second.step, second.batch_index) == (full.step, full.batch_index)
     for a, b in zip(full.model.parameters(), second.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -155,14 +159,24 @@ def test_compiled_runs_resume_and_checkpoints_cross_modes(tiny_data, tmp_path, c
     # A compiled checkpoint resumes eager, and an eager one compiled: same run, within float noise.
     eager = Trainer(make_config(tiny_data, tmp_path, "train.compile=false"), log=None)
     eager.load_state_dict(load_checkpoint(path))
-    assert losses_of(eager) == pytest.approx(full_losses[6:], rel=1e-4)
+    assert losses_of(eager) == pytest.approx(full_losses[6:], rel=float(CROSS_MODE_REL))
     eager_saved = {}
     Trainer(make_config(tiny_data, tmp_path, "train.compile=false"), log=None).fit(
         on_report=lambda m, s: eager_saved.update(state=s) if s else None, stop_at_step=6
     )
     back = Trainer(compiled, log=None)
     back.load_state_dict(eager_saved["state"])
-    assert losses_of(back) == pytest.approx(full_losses[6:], rel=1e-4)
+    assert losses_of(back) == pytest.approx(full_losses[6:], rel=float(CROSS_MODE_REL))
+
+
+def test_the_training_doc_states_the_bounds_asserted_here():
+    """docs/training.md promised compiled runs "resume to relative 1e-5" in general; the test
+    bounds a resume in the process that compiled, and fresh processes measured further apart."""
+    text = " ".join((REPO / "docs" / "training.md").read_text(encoding="utf-8").split())
+    assert f"every step's loss is within relative {RESUMED_LOSS_REL}" in text
+    assert f"an eager one resumed compiled, within {CROSS_MODE_REL}" in text
+    assert "resume it in the same process" in text and "no test bounds that" in text
+    assert "8.4e-5" in text  # the outside measurement of two fresh compiled runs
 
 
 def test_auto_compiles_when_the_cached_cost_says_it_pays(tiny_data, tmp_path, cache):
