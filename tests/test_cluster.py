@@ -550,15 +550,28 @@ with ray_session(sys.argv[1]):
 """
 
 
+# What Ray's job supervisor hands the entrypoint of `ray job submit --runtime-env-json ...` (a
+# KubeRay RayJob) whose runtime_env sets one of the settings: the JobConfig, and the variable.
+SUBMITTED = {
+    "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(
+        {"runtime_env": {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "1800"}}, "metadata": {}}
+    ),
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "1800",
+}
+
+
 @pytest.mark.slow
-def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path):
+@pytest.mark.parametrize("job, timeout", [({}, "900"), (SUBMITTED, "1800")], ids=["driver", "submitted-job"])
+def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path, job, timeout):
     """A DDP trial's TorchTrainer is built in its Tune trial actor, which has its raylet's
     environment, and Ray Train passes on what that process's environment holds: the settings
-    the driver puts in os.environ must reach the job's processes on every node (runtime_env)."""
+    the driver puts in os.environ must reach the job's processes on every node (runtime_env).
+    Under `ray job submit` the job's runtime_env carries its own, which `ray.init` must not be
+    given again (Ray refuses a second value for a variable, even an equal one)."""
     proc = subprocess.run(
         [sys.executable, "-c", SETTINGS_CHILD, two_nodes.address],
         cwd=REPO,
-        env={**two_nodes.client_env(tmp_path), "PYTHONPATH": str(REPO)},
+        env={**two_nodes.client_env(tmp_path), "PYTHONPATH": str(REPO), **job},
         capture_output=True,
         text=True,
         timeout=180,
@@ -569,7 +582,7 @@ def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path):
     for settings in per_node:
         assert settings == {
             "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
-            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "900",
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": timeout,
             "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
         }
 
