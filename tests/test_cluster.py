@@ -590,22 +590,32 @@ def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path, jo
 @pytest.mark.slow
 def test_a_node_without_the_data_is_refused_naming_the_node(two_nodes, tiny_data, tmp_path, monkeypatch):
     """A third node sees an empty tmpfs over data.dir (as a node without the data mount would):
-    `gptrun train` and `gptrun sweep` refuse in one line naming it, before any trial starts."""
+    `gptrun train` and `gptrun sweep` refuse in one line naming it, before any trial starts;
+    so do `gptrun resume` and `gptrun confirm` of a sweep that ran before the node joined (the
+    cluster a sweep goes on with need not be the one it began on)."""
+    env = two_nodes.client_env(tmp_path)
+    done = tmp_path / "done"
+    sweep_config = write_sweep_config(tiny_data, tmp_path / "sweep", n=1, max_steps=8)
+    proc, _ = run_clean(sweep_args(sweep_config, "done", done, two_nodes.address), env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checkpoints = sorted(done.rglob("checkpoint*"))
     with node_without(two_nodes, monkeypatch, tiny_data, "nodata"):
-        env = two_nodes.client_env(tmp_path)
         config = tmp_path / "exp.toml"
         config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
         storage = tmp_path / "storage"
         train = ["train", str(config), "--address", two_nodes.address, "--storage", str(storage)]
-        sweep_config = write_sweep_config(tiny_data, tmp_path / "sweep", n=2, max_steps=8)
         sweep = sweep_args(sweep_config, "nodata", storage, two_nodes.address)
-        for args in (train, sweep):
+        on_cluster = ["--address", two_nodes.address]
+        resume = ["resume", str(done / "done"), *on_cluster]
+        confirm = ["confirm", str(done / "done"), "--top", "1", "--seeds", "2", *on_cluster]
+        for args in (train, sweep, resume, confirm):
             proc, _ = run_clean(args, env)
             assert_user_error(proc, f"data.dir {tiny_data} is not usable on node(s) ", "every node that runs")
             one_node = r"on node\(s\) [\d.]+ \([0-9a-f]{8}\) \(.*meta\.json not found"  # the one without it
             assert re.search(one_node, proc.stderr), proc.stderr
             assert not any(n["node_id"][:8] in proc.stderr for n in two_nodes.state["nodes"]), proc.stderr
         assert not list(storage.rglob("checkpoint*"))  # no trial ran
+        assert sorted(done.rglob("checkpoint*")) == checkpoints
 
 
 def test_a_node_with_another_torch_is_refused_naming_both_versions(
