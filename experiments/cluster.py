@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from experiments.private_api import reload_ray_auth
+from experiments.private_api import reload_ray_auth, submitted_job_env_vars
 from gptcore.errors import UserError
 
 PROBE_TIMEOUT_S = 10.0  # the gRPC probe's own cap (RESOURCE_WAIT_S bounds it further)
@@ -80,8 +80,16 @@ TRAIN_SETTINGS = (
 
 
 def job_runtime_env() -> dict[str, Any]:
-    """The runtime_env of gptrun's Ray job: the Ray Train settings set in this process."""
-    return {"env_vars": {name: os.environ[name] for name in TRAIN_SETTINGS if name in os.environ}}
+    """The runtime_env of gptrun's Ray job: the Ray Train settings set in this process. Under
+    `ray job submit` (a KubeRay RayJob) the job's own runtime_env reaches every process already,
+    and `ray.init` refuses a second value for any variable it sets, even an equal one (the
+    submitter also puts them in this process's environment): those are left to it."""
+    theirs = submitted_job_env_vars()
+    return {
+        "env_vars": {
+            name: os.environ[name] for name in TRAIN_SETTINGS if name in os.environ and name not in theirs
+        }
+    }
 
 
 @contextlib.contextmanager

@@ -203,6 +203,7 @@ def run_resume(plan: SweepPlan) -> int:
     cfg = plan.cfg
     cap = cfg.sweep.max_concurrent or cfg.sweep.num_samples
     with room_for(trial_bundles(cfg), cap, "one trial", None):  # Tune keeps the saved width
+        verify_trial_nodes(cfg.data.dir)  # the cluster may not be the one the sweep began on
         restore_tuner(cfg, plan.space, plan.exp_dir).fit()
     return finish(cfg, plan.space, plan.exp_dir)
 
