@@ -44,7 +44,7 @@ from gptcore.data import IGNORE_INDEX, TokenData
 from gptcore.device import resolve_device
 from gptcore.errors import DivergedError, UserError
 from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
-from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu, remeasure_cpu_peak
+from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at, param_groups, set_lr
 from gptcore.tokenizer import token_byte_lengths
@@ -505,8 +505,8 @@ class Trainer:
         if self.device.type == "cpu" and not self.peak_remeasured:
             self.peak_remeasured = True
             old = self.peak_flops
-            remeasure_cpu_peak(self.precision)
-            self.peak_flops, self.peak_source = device_peak_flops(self.device, self.precision)
+            reached = tokens_per_sec * self.flops_per_token
+            self.peak_flops, self.peak_source = device_peak_flops(self.device, self.precision, reached)
             value = mfu(tokens_per_sec, self.flops_per_token, self.peak_flops)
             self.log(
                 f"MFU was {100 * mfu(tokens_per_sec, self.flops_per_token, old):.0f}% of a peak of "
