@@ -31,16 +31,18 @@ class Measured:
     Other work on a shared machine only ever slows a measurement down: a rate comes out too low, a
     duration too long, never the other way. So the best sample (`best`: max for a rate, min for a
     duration) is the least disturbed one; a figure is first taken from `samples` samples `gap_s`
-    apart (a burst of load lowers one, rarely all), and a later sample replaces it only where it is
-    better. A figure can still be wrong (every sample taken in one long busy spell), and on disk it
-    would stay wrong for every later run: so a reading states what the figure must satisfy
-    (`plausible`: not below what fewer threads reached, not below a rate a run reached), and a
-    cached figure that fails is measured again. What still fails then is the caller's to flag."""
+    apart (a burst of load lowers one, rarely all; none is begun after `budget_s`, so that a slow
+    measurement is taken once), and a later sample replaces it only where it is better. A figure
+    can still be wrong (every sample taken in one long busy spell), and on disk it would stay
+    wrong for every later run: so a reading states what the figure must satisfy (`plausible`: not
+    below what fewer threads reached, not below a rate a run reached), and a cached figure that
+    fails is measured again. What still fails then is the caller's to flag."""
 
     table: str
     best: Callable[[Iterable[float]], float]
     samples: int = 3
     gap_s: float = 0.2
+    budget_s: float = 5.0
 
     def read(self) -> dict[str, float]:
         """Every usable figure of the table (a damaged entry reads as never measured)."""
@@ -56,9 +58,9 @@ class Measured:
             old = table.get(key)
             if _usable(old) and plausible(float(old)):
                 return float(old)
-            new = []
-            for i in range(self.samples):
-                if i:
+            new, start = [], time.monotonic()
+            while len(new) < self.samples and (not new or time.monotonic() - start < self.budget_s):
+                if new:
                     time.sleep(self.gap_s)
                 new.append(sample())
             return self._keep(table, key, [old, *new])

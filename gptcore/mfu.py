@@ -136,14 +136,18 @@ def _measure_matmul_flops(n: int = 1024, seconds: float = 0.5, dtype: torch.dtyp
     """Best rate of an n x n matmul in `dtype` over ~`seconds`, with torch's current thread count:
     one sample of a peak. It runs under the cache's lock (`Measured.figure`): trials starting
     together on a fresh node would otherwise all measure at once, each on a share of the CPU.
-    On a CPU without bf16 units a bf16 matmul can be 10-100x slower than fp32: the warm-up then
-    stops early, so the measurement stays within a few seconds."""
+    On a CPU without bf16 units a bf16 matmul can be 100-1000x slower than fp32 (7-20 s for one
+    here): the warm-up then stops early, and a first matmul longer than `seconds` is the sample
+    (what a warm-up would save is nothing beside it)."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
     start = time.perf_counter()
-    for _ in range(3):  # warm-up: thread pool start, page faults, oneDNN kernel selection
+    for i in range(3):  # warm-up: thread pool start, page faults, oneDNN kernel selection
         torch.mm(a, b, out=out)
-        if time.perf_counter() - start > seconds / 4:
+        elapsed = time.perf_counter() - start
+        if i == 0 and elapsed > seconds:
+            return 2.0 * n**3 / elapsed
+        if elapsed > seconds / 4:
             break
     best = 0.0
     deadline = time.perf_counter() + seconds

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gptcore import measured as measured_mod
 from gptcore import mfu as mfu_mod
 from gptcore.config import ModelConfig
 from gptcore.data import IGNORE_INDEX
@@ -487,3 +488,30 @@ def test_slow_matmul_warm_up_stops_early(monkeypatch: pytest.MonkeyPatch) -> Non
     rate = mfu_mod._measure_matmul_flops(n=64, seconds=1.0, dtype=torch.bfloat16)
     assert rate == pytest.approx(2 * 64**3 / 0.3)
     assert mms == [torch.bfloat16, torch.bfloat16]  # 1 warm-up + 1 timed, not 3 + 1
+
+
+def test_a_matmul_longer_than_the_budget_is_the_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 emulated: one 64 x 64 matmul takes 2 s of a 1 s budget, and is the only one run."""
+    from types import SimpleNamespace
+
+    mms = []
+    monkeypatch.setattr(mfu_mod.torch, "mm", lambda a, b, out: mms.append(a.dtype))
+    ticks = iter([0.0, 2.0])
+    monkeypatch.setattr(mfu_mod, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    assert mfu_mod._measure_matmul_flops(n=64, seconds=1.0, dtype=torch.bfloat16) == 2 * 64**3 / 2.0
+    assert mms == [torch.bfloat16]
+
+
+def test_a_slow_measurement_is_sampled_once(tmp_path, monkeypatch) -> None:
+    """No sample is begun after the figure's time budget: a measurement that takes longer than
+    it (an emulated bf16 matmul) is taken once, not three times."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
+    clock = iter([0.0, 1.0, 2.0, 10.0, 17.0])  # the start, then before each later sample
+    fake_time = SimpleNamespace(monotonic=lambda: next(clock), sleep=lambda _s: None)
+    monkeypatch.setattr(measured_mod, "time", fake_time)
+    rates = Measured("rates.json", best=max, budget_s=5.0)
+    samples = iter([1.0, 3.0, 2.0, 7.0])
+    assert rates.figure("fast", lambda: next(samples)) == 3.0  # 3 samples within 2 s
+    assert rates.figure("slow", lambda: next(samples)) == 7.0  # 7 s for one: no second
