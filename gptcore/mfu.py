@@ -80,7 +80,7 @@ def device_peak_flops(device: torch.device | str, precision: str, reached: float
         peak = cpu_matmul_flops(precision, reached)
         return peak, (
             f"{_cpu_name()}, {torch.get_num_threads()} threads: {peak / 1e9:.1f} GFLOP/s {precision} "
-            f"matmul (best of {PEAKS.samples} samples or more, cached in {table_path(PEAKS.table)}; measured "
+            f"matmul (the best sample, cached in {table_path(PEAKS.table)}; measured "
             "again if an MFU goes over 100%)"
         )
     return 0.0, f"no peak known for device type {device.type!r}"
