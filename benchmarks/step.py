@@ -175,7 +175,7 @@ def bench_preset(
         seconds = statistics.median(times[v])
         rate[v] = batch * seq_len / seconds
         util = mfu(rate[v], flops, peaks[v[0]])
-        shown = f"{100 * util:.1f}%" if peaks[v[0]] > 0 else "n/a"
+        shown = f"{100 * util:.1f}%" if 0 < util <= 1 else "n/a"  # over 100%: the peak is wrong
         compiled = f"{compiles[v][0]:.1f} / {compiles[v][1]:.1f}" if v in compiles else ""
         row = f"  {v[0]:<10}{LABELS[v[1]]:<22}{v[2]:<10}{seconds * 1e3:>9.1f}{rate[v]:>10.0f}"
         print(f"{row}{shown:>7}{compiled:>23}")

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import secrets
 import shlex
@@ -72,10 +73,6 @@ EMPTY_LISTS = (
     "rsync_exclude",
     "rsync_filter",
 )
-USAGE = (
-    "usage: cluster/local.sh {up [--nodes N] [--cpus-per-node C] | status | down | "
-    "kill-node NAME | start-node NAME | env} [--dir STATE_DIR]"
-)
 
 
 class ClusterError(Exception):
@@ -101,10 +98,27 @@ def port_number(text: str) -> int:
     return int(text)
 
 
-def at_least_one(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
-    return int(text)
+def whole_number(low: int) -> typing.Callable[[str], int]:
+    """The type of a count option (nodes, CPUs, GPUs, MB): a whole number >= `low`, refused
+    here rather than by `ray start` once the head runs (exit 1, a log to read)."""
+
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < low:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= {low}")
+        return int(text)
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    """The type of a time option: float() takes 'nan', which passes a '<= 0' check."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan  # refused just below, with the same line
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number of seconds > 0")
+    return value
 
 
 # ---------------------------------------------------------------- state
@@ -469,17 +483,15 @@ def cmd_up(args: argparse.Namespace, root: Path) -> int:
         )
     if args.nodes is None:
         args.nodes = 0 if args.autoscale else 1
-    if args.nodes < 0 or args.cpus_per_node < 1 or args.object_store_mb < 80:
-        raise UsageError("--nodes must be >= 0, --cpus-per-node >= 1, --object-store-mb >= 80")
-    if args.autoscale is not None and (args.nodes or args.idle_timeout_s <= 0):
-        raise UsageError("--autoscale MAX needs no --nodes and --idle-timeout-s > 0")
+    if args.autoscale is not None and args.nodes:
+        raise UsageError("--autoscale MAX adds the worker nodes itself; leave --nodes out")
+    if args.port and listening(args.port):
+        raise UsageError(f"port {args.port} is in use; pick another --port or leave it out")
     head_cpus = args.cpus_per_node if args.head_cpus is None else args.head_cpus
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o700)
     token_path = root / TOKEN_FILE
     write_token(token_path)
-    if args.port and listening(args.port):
-        raise UsageError(f"port {args.port} is in use; pick another --port or leave it out")
     port = args.port or free_ports(1, set())[0]
     dashboard, client = free_ports(2, {port})
     temp_root = tempfile.mkdtemp(prefix="gptrun-ray-")  # short: Unix socket paths <= 107 bytes
@@ -662,14 +674,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up = sub.add_parser("up", parents=[common], help="start a head and N worker nodes")
-    up.add_argument("--nodes", type=int, default=None, help="worker nodes besides the head (1)")
-    up.add_argument("--cpus-per-node", type=int, default=1, help="logical CPUs per node (1)")
+    up.add_argument("--nodes", type=whole_number(0), default=None, help="worker nodes besides the head (1)")
+    up.add_argument("--cpus-per-node", type=whole_number(1), default=1, help="logical CPUs per node (1)")
     up.add_argument(
-        "--head-cpus", type=int, default=None, help="logical CPUs of the head (default: --cpus-per-node)"
+        "--head-cpus",
+        type=whole_number(0),
+        default=None,
+        help="logical CPUs of the head (default: --cpus-per-node)",
     )
     up.add_argument(
         "--autoscale",
-        type=at_least_one,
+        type=whole_number(1),
         default=None,
         metavar="MAX",
         help="an autoscaling cluster: no worker node at first, up to MAX added by Ray's autoscaler "
@@ -677,29 +692,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--idle-timeout-s",
-        type=float,
+        type=seconds,
         default=60.0,
         help="with --autoscale: seconds before an idle node is removed (60)",
     )
     up.add_argument(
         "--gpus-per-node",
-        type=int,
+        type=whole_number(0),
         default=0,
         help="logical GPUs per node (0; on one machine the nodes share the devices)",
     )
     up.add_argument("--port", type=port_number, default=None, help="GCS port (default: a free one)")
-    up.add_argument("--object-store-mb", type=int, default=256, help="object store per node")
-    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait per step")
+    up.add_argument("--object-store-mb", type=whole_number(80), default=256, help="object store per node")
+    up.add_argument("--timeout", type=seconds, default=120.0, help="seconds to wait per step")
     sub.add_parser("status", parents=[common], help="address, nodes and resources")
     down = sub.add_parser("down", parents=[common], help="stop every process `up` started")
-    down.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL (20)")
+    down.add_argument("--grace", type=seconds, default=20.0, help="seconds between SIGTERM and SIGKILL (20)")
     down.add_argument("--keep-logs", action="store_true", help="keep Ray's session folders")
     kill = sub.add_parser("kill-node", parents=[common], help="SIGKILL a worker node")
     kill.add_argument("name")
     start = sub.add_parser("start-node", parents=[common], help="(re)start a worker node")
     start.add_argument("name")
-    start.add_argument("--cpus", type=int, default=None)
-    start.add_argument("--timeout", type=float, default=120.0)
+    start.add_argument("--cpus", type=whole_number(1), default=None)
+    start.add_argument("--timeout", type=seconds, default=120.0)
     sub.add_parser("env", parents=[common], help="print the client's export line")
     return p
 

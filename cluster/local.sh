@@ -21,9 +21,9 @@ usage() {
 case "${1:-}" in
     up | status | down | kill-node | start-node | env) ;;
     -h | --help) usage; exit 0 ;;
+    "") usage; exit 2 ;;
     *)
-        [[ -n "${1:-}" ]] && echo "cluster/local.sh: unknown command '${1}'" >&2
-        usage
+        echo "cluster/local.sh: unknown command '${1}'; see cluster/local.sh --help" >&2
         exit 2
         ;;
 esac

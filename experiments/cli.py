@@ -8,10 +8,11 @@ Each subcommand is a pair of functions: `_NAME_command` declares its options, `_
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from gptcore.errors import DivergedError, UserError
 
@@ -33,6 +34,27 @@ examples:
   gptrun report sweeps/demo
   gptrun transfer sweeps/proxy --to target.toml
 """
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit 2, like every other bad input, rather
+    than the usage text before the line. Subcommands' parsers are made of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def finite(text: str) -> float:
+    """The type of every float option: float() takes 'inf' and 'nan', which slip past range
+    checks such as `< 0` ('nan < 0' is false) and fail later, far from the option."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number")
+    return value
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -81,7 +103,7 @@ def _prepare_command(sub: Subcommands) -> None:
     )
     p.add_argument(
         "--val-fraction",
-        type=float,
+        type=finite,
         default=None,
         help="fraction held out for validation (default: 1%% of the documents or enough for ~300k "
         "tokens, whichever is more, capped at 10%%; with --sft 5%%: every 20th conversation)",
@@ -96,7 +118,7 @@ def _prepare_command(sub: Subcommands) -> None:
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPUs)")
     p.add_argument(
         "--tokenizer-sample-mb",
-        type=float,
+        type=finite,
         default=None,
         help="train the tokenizer on about this many MB of the train documents, drawn evenly over "
         "the corpus (default 8; BPE training's memory grows with the text it sees)",
@@ -176,8 +198,8 @@ def _train_command(sub: Subcommands) -> None:
     )
     p.add_argument("--local", action="store_true", help="train in this process, without Ray")
     p.add_argument("--workers", type=int, default=None, help="DDP workers (resources.workers)")
-    p.add_argument("--gpus-per-worker", type=float, default=None)
-    p.add_argument("--cpus-per-worker", type=float, default=None)
+    p.add_argument("--gpus-per-worker", type=finite, default=None)
+    p.add_argument("--cpus-per-worker", type=finite, default=None)
     p.add_argument(
         "--max-failures",
         type=int,
@@ -227,9 +249,9 @@ def _sample_command(sub: Subcommands) -> None:
     )
     p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=finite, default=0.8)
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables nucleus sampling")
+    p.add_argument("--top-p", type=finite, default=1.0, help="1.0 disables nucleus sampling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="recompute the prefix every token")
     p.add_argument(
@@ -313,12 +335,12 @@ def _plan_command(sub: Subcommands) -> None:
     p.add_argument("config")
     p.add_argument(
         "--tokens-per-sec",
-        type=float,
+        type=finite,
         default=None,
         help="per-trial throughput; default: measured by a short probe",
     )
-    p.add_argument("--cpus", type=float, default=None, help="cluster CPUs (default: this machine)")
-    p.add_argument("--gpus", type=float, default=None, help="cluster GPUs (default: this machine)")
+    p.add_argument("--cpus", type=finite, default=None, help="cluster CPUs (default: this machine)")
+    p.add_argument("--gpus", type=finite, default=None, help="cluster GPUs (default: this machine)")
     p.add_argument(
         "--address",
         default=None,
@@ -493,7 +515,7 @@ def _transfer_command(sub: Subcommands) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument(
         "--horizon-exponent",
-        type=float,
+        type=finite,
         default=0.0,
         help="scale lr by (target tokens / proxy tokens)^-EXPONENT: an empirical rule for longer "
         "runs (~0.3 is reported for AdamW), not part of µP (default 0: off)",
@@ -525,7 +547,7 @@ COMMANDS: tuple[Callable[[Subcommands], None], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="gptrun",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,

@@ -20,9 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs
-
-from experiments.private_api import reload_ray_auth
+from experiments.private_api import reload_ray_auth, submitted_job_env_vars
 from gptcore.errors import UserError
 
 PROBE_TIMEOUT_S = 10.0  # the gRPC probe's own cap (RESOURCE_WAIT_S bounds it further)
@@ -83,9 +81,15 @@ TRAIN_SETTINGS = (
 
 def job_runtime_env() -> dict[str, Any]:
     """The runtime_env of gptrun's Ray job: the Ray Train settings set in this process, and the
-    hook that tells each worker which cluster it is in (`point_at_own_cluster`)."""
+    hook that tells each worker which cluster it is in (`point_at_own_cluster`). Under
+    `ray job submit` (a KubeRay RayJob) the job's own runtime_env reaches every process already,
+    and `ray.init` refuses a second value for any variable it sets, even an equal one (the
+    submitter also puts them in this process's environment): those are left to it."""
+    theirs = submitted_job_env_vars()
     return {
-        "env_vars": {name: os.environ[name] for name in TRAIN_SETTINGS if name in os.environ},
+        "env_vars": {
+            name: os.environ[name] for name in TRAIN_SETTINGS if name in os.environ and name not in theirs
+        },
         "worker_process_setup_hook": "experiments.cluster.point_at_own_cluster",
     }
 
@@ -412,19 +416,19 @@ def cluster_size() -> tuple[float, float]:
 
 
 def check_storage(storage: str | None, default: str) -> str:
-    """`--storage` (or `default`) as an absolute local path or a URI (s3://, gs://, ...) that
-    pyarrow.fs understands, whose bucket exists. Creates nothing (call `create_storage` once the cluster has
-    answered), so a bad --address or a too-small cluster leaves no folder behind."""
+    """`--storage` (or `default`) as an absolute local path or an s3:// / gs:// URI whose bucket
+    exists. Creates nothing (call `create_storage` once the cluster has answered), so a bad
+    --address or a too-small cluster leaves no folder behind."""
     storage = storage or default
     if "://" in storage:
-        try:
-            pyarrow.fs.FileSystem.from_uri(storage)
-        except Exception as err:  # pyarrow raises ArrowInvalid / OSError for bad URIs
-            raise UserError(f"--storage {storage}: {err}") from None
-        if not is_local(storage):  # read-only: the bucket exists, the credentials are accepted
-            from experiments.remote import check_bucket
+        from experiments.remote import check_bucket, filesystem
 
-            check_bucket(storage)
+        try:
+            filesystem(storage)  # a scheme gptrun opens, a URI pyarrow reads
+            if not is_local(storage):  # read-only: the bucket exists, the credentials are accepted
+                check_bucket(storage)
+        except UserError as err:
+            raise UserError(f"--storage {err}") from None
         return storage
     path = Path(storage).expanduser().resolve()
     for parent in (path, *path.parents):

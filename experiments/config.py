@@ -8,6 +8,7 @@ same key checking (unknown keys named, close matches suggested).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,8 @@ def parse_duration(text: str) -> float:
         raise UserError(
             f"sweep.budget={text!r} is not a duration; write e.g. '2h', '30m', '1h30m' or '900s'"
         ) from None
-    if total <= 0:
-        raise UserError(f"sweep.budget={text!r} must be a positive duration")
+    if not 0 < total < math.inf:  # a number too long for a float is inf
+        raise UserError(f"sweep.budget={text!r} must be a positive, finite duration")
     return total
 
 
@@ -128,13 +129,27 @@ def checked_for_workers(cfg: RayExperiment) -> RayExperiment:
     worker restart, or every trial) and make their paths absolute, since workers do not share the
     driver's working directory. `gptrun train` on Ray and `gptrun sweep` / `resume` call it
     before Ray starts."""
-    from gptcore.checkpoint import load_checkpoint, resolve_checkpoint_path
+    from gptcore.checkpoint import load_checkpoint
     from gptcore.train import open_data
 
     open_data(cfg)
-    raw = cfg.to_dict()
-    raw["data"]["dir"] = str(Path(cfg.data.dir).expanduser().resolve())
+    cfg = with_absolute_paths(cfg)
     if cfg.train.init_from:
-        raw["train"]["init_from"] = str(resolve_checkpoint_path(cfg.train.init_from).resolve())
-        load_checkpoint(raw["train"]["init_from"])  # exists and is intact
+        load_checkpoint(cfg.train.init_from)  # exists and is intact
+    return cfg
+
+
+def with_absolute_paths(cfg: RayExperiment) -> RayExperiment:
+    """`cfg` with `data.dir` and `train.init_from` absolute, so that it trains from any folder:
+    on a worker, and from a config gptrun writes for the user (best.toml holds the sweep's
+    config, which went through `checked_for_workers`; transfer's). Nothing is checked here: a
+    target's data may live on the cluster only."""
+    raw = cfg.to_dict()
+    raw["data"]["dir"] = _absolute(cfg.data.dir)
+    if cfg.train.init_from:
+        raw["train"]["init_from"] = _absolute(cfg.train.init_from)
     return experiment_from_dict(raw)
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())

@@ -28,7 +28,7 @@ from typing import Any
 from experiments import remote
 from experiments.autoscale import room_for
 from experiments.budget import local_extra_cpus, trial_bundles
-from experiments.cluster import ray_session
+from experiments.cluster import ray_session, verify_trial_nodes
 from experiments.config import RayExperiment, load_experiment
 from experiments.experiment import (
     open_experiment,
@@ -112,6 +112,7 @@ def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart:
         f"{n_runs} runs at full budget{' (resuming)' if restore else ''}"
     )
     with room_for(trial_bundles(cfg), width, "one run", None):
+        verify_trial_nodes(cfg.data.dir)
         if not restore:
             remove_experiment(conf_dir)  # --restart, or killed before Tune saved anything
             start_experiment(conf_dir, cfg, {**meta, **plan})

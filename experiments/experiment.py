@@ -89,8 +89,13 @@ def load_base(exp_dir: Path) -> tuple[RayExperiment, dict[str, Any]]:
 
 
 def read_meta(exp_dir: Path) -> dict[str, Any]:
-    """The experiment's `sweep.json`; one line if it is not a JSON object (a damaged folder)."""
-    return parse_meta((exp_dir / META_FILE).read_text(), exp_dir / META_FILE)
+    """The experiment's `sweep.json`; one line if it is not a JSON object, or has no per-trial
+    token budget (which tells completed trials from stopped ones): a damaged folder."""
+    path = exp_dir / META_FILE
+    meta = parse_meta(path.read_text(), path)
+    if not (isinstance(meta.get("trial_tokens"), int) and meta["trial_tokens"] > 0):
+        raise _damaged(path, f"trial_tokens is {meta.get('trial_tokens')!r}, not a positive integer")
+    return meta
 
 
 def parse_meta(text: str, where: Path | str) -> dict[str, Any]:
@@ -99,11 +104,15 @@ def parse_meta(text: str, where: Path | str) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         meta = err
     if not isinstance(meta, dict):
-        raise UserError(
-            f"{where} is damaged (not a JSON object: {meta}); restore it from a copy of the sweep, "
-            "or start the sweep again with --restart"
-        )
+        raise _damaged(where, f"not a JSON object: {meta}")
     return meta
+
+
+def _damaged(where: Path | str, problem: str) -> UserError:
+    return UserError(
+        f"{where} is damaged ({problem}); restore it from a copy of the sweep, or start the sweep "
+        "again with --restart"
+    )
 
 
 def saved_meta(exp_dir: Path, uri: str | None = None) -> dict[str, Any]:
@@ -115,8 +124,14 @@ def saved_meta(exp_dir: Path, uri: str | None = None) -> dict[str, Any]:
 
 
 def study_url(cfg: RayExperiment, exp_dir: Path) -> str:
-    """Where the Optuna study lives: `sweep.storage_url`, or sqlite in the experiment folder."""
-    return cfg.sweep.storage_url or f"sqlite:///{(exp_dir / STUDY_FILE).resolve()}"
+    """Where the Optuna study lives: `sweep.storage_url`, or sqlite in the experiment folder (its
+    path percent-encoded: SQLAlchemy reads `?` as the start of the query, `%41` as `A`)."""
+    from sqlalchemy.engine import URL
+
+    if cfg.sweep.storage_url:
+        return cfg.sweep.storage_url
+    path = str((exp_dir / STUDY_FILE).resolve())
+    return URL.create("sqlite", database=path).render_as_string(hide_password=False)
 
 
 def append_event(exp_dir: Path, event: dict[str, Any]) -> None:

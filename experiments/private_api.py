@@ -91,3 +91,21 @@ def reload_ray_auth() -> None:
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def submitted_job_env_vars() -> dict[str, str]:
+    """The env_vars of the runtime_env a Ray Job's submitter gave this driver (`ray job submit
+    --runtime-env-json`, a KubeRay RayJob's `runtimeEnvYAML`), which `ray.init` merges with its
+    own argument; empty outside a submitted job. Ray's job supervisor passes them in
+    `RAY_JOB_CONFIG_JSON_ENV_VAR` as JSON (Ray 2.60.0 `ray.dashboard.modules.job.job_supervisor`,
+    read by `ray._private.worker.init`; tests/test_cluster.py
+    `test_the_drivers_ray_train_settings_reach_every_node`)."""
+    import json
+    import os
+
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    text = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
+    if not text:
+        return {}
+    return (json.loads(text).get("runtime_env") or {}).get("env_vars") or {}

@@ -108,10 +108,11 @@ def read_records(url: str, name: str) -> dict[str, TrialRecord]:
     where there is no such study (a confirm run, a sqlite file on another machine). Opens
     nothing for writing: a missing sqlite file is not created."""
     import optuna
+    from sqlalchemy.engine import make_url
 
     from experiments.storage import rdb_storage
 
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
+    if url.startswith("sqlite:") and not Path(make_url(url).database or "").is_file():
         return {}
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:

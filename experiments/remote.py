@@ -1,4 +1,4 @@
-"""Experiments in object storage (`s3://bucket/prefix/NAME`, `gs://...`, any URI pyarrow.fs opens).
+"""Experiments in object storage (`s3://bucket/prefix/NAME`, `gs://...`), through pyarrow.fs.
 
 Where no folder is shared by every node (Kubernetes without a ReadWriteMany volume), a sweep keeps
 its state under a URI: Ray Tune writes its experiment state, the trials' results and checkpoints
@@ -31,6 +31,7 @@ CHECK_TIMEOUT_S = 30.0  # the probe's outer bound; its own bounds (`_bounded`) e
 # gptrun's own files of an experiment (and of its confirm run): what a working copy pulls.
 OWN_FILES = ("gptrun.toml", "sweep.json", "events.jsonl", "best.toml", "noise.json")
 SCHEMES = {"gcs": "gs"}  # pyarrow's filesystem type name -> the URI scheme users write
+URI_SCHEMES = ("s3", "gs", "gcs", "file")  # what `filesystem` opens (gs:// and gcs:// alike)
 
 
 def is_uri(location: str | Path) -> bool:
@@ -39,9 +40,18 @@ def is_uri(location: str | Path) -> bool:
 
 
 def filesystem(uri: str) -> tuple[Any, str]:
-    """(pyarrow filesystem, path inside it) of `uri`, or one line when pyarrow cannot open it."""
+    """(pyarrow filesystem, path inside it) of `uri`, or one line when pyarrow cannot open it or
+    its scheme is not one gptrun is tested with (S3 and GCS, whose errors `_storage_error` names;
+    pyarrow's Azure client aborted the process, with no error to catch, where it found no
+    credentials)."""
     import pyarrow.fs
 
+    scheme = uri.partition("://")[0].lower()
+    if scheme not in URI_SCHEMES:
+        raise UserError(
+            f"{uri}: gptrun keeps experiments in s3:// or gs:// object storage, not {scheme}://; "
+            "give one of those, or a folder (on a cluster, one that every node mounts)"
+        )
     try:
         return pyarrow.fs.FileSystem.from_uri(uri)
     except Exception as err:  # ArrowInvalid / OSError: an unknown scheme, a malformed URI
@@ -74,23 +84,24 @@ def check_bucket(uri: str) -> None:
         raise UserError(f"{uri}: bucket {bucket!r} does not exist; create it first or fix the URI")
 
 
-PROBE_TIMEOUT_S = 8.0  # each S3 connect and request; GCS's retries in all
-PROBE_ATTEMPTS = 2  # S3 requests, the first included
+BOUNDED_TIMEOUT_S = 8.0  # each S3 connect and request; GCS's retries in all
+BOUNDED_ATTEMPTS = 2  # S3 requests, the first included
 
 
 def _bounded(fs: Any) -> Any:
     """`fs` with the same options and bounded waits: S3's connect and request timeouts and
-    attempts, GCS's retry time limit. Other filesystems as they are."""
+    attempts, GCS's retry time limit (for the bucket probe, and the uploads made from Tune's
+    callbacks). Other filesystems as they are."""
     import datetime
 
     import pyarrow.fs
 
     rebuild, (options,) = fs.__reduce__()
     if fs.type_name == "s3":
-        options.update(connect_timeout=PROBE_TIMEOUT_S, request_timeout=PROBE_TIMEOUT_S)
-        options["retry_strategy"] = pyarrow.fs.AwsStandardS3RetryStrategy(max_attempts=PROBE_ATTEMPTS)
+        options.update(connect_timeout=BOUNDED_TIMEOUT_S, request_timeout=BOUNDED_TIMEOUT_S)
+        options["retry_strategy"] = pyarrow.fs.AwsStandardS3RetryStrategy(max_attempts=BOUNDED_ATTEMPTS)
     elif fs.type_name == "gcs":
-        options["retry_time_limit"] = datetime.timedelta(seconds=PROBE_TIMEOUT_S)
+        options["retry_time_limit"] = datetime.timedelta(seconds=BOUNDED_TIMEOUT_S)
     else:
         return fs
     return rebuild(options)
@@ -207,39 +218,46 @@ def read_text(uri: str) -> str | None:
         return src.read().decode("utf-8")
 
 
-def upload(folder: Path, name: str) -> None:
-    """Copy `folder/name` to the experiment's URI when `folder` is (inside) a working copy."""
+def upload(folder: Path, name: str, *, bounded: bool = False) -> None:
+    """Copy `folder/name` to the experiment's URI when `folder` is (inside) a working copy;
+    `bounded`: through the filesystem with short timeouts and few attempts (`_bounded`)."""
     target = location(folder)
     if not is_uri(target):
         return
     fs, path = filesystem(f"{target}/{name}")
+    if bounded:
+        fs = _bounded(fs)
     with open(folder / name, "rb") as src, fs.open_output_stream(path) as out:
         shutil.copyfileobj(src, out)
 
 
 APPEND_ONLY = "events.jsonl"  # grows by lines: uploaded in batches, merged on a pull
 BATCH_S = 5.0  # an append-only file is uploaded at most this often (and at the sweep's end)
-_uploaded: dict[Path, float] = {}  # file -> when it was last uploaded by this process
+RETRY_S = 60.0  # after a failed upload, the next try waits this long
+_next_upload: dict[Path, float] = {}  # file -> when this process may upload it again
 
 
 def upload_soon(folder: Path, name: str, *, now: bool = False) -> None:
     """Upload a file that grows by appends (`events.jsonl`), at most every `BATCH_S` seconds
     unless `now`: an object store has no append, so each upload is the whole file, and one per
-    event made the traffic grow with the square of the events. A failed upload is one warning
-    and tried again at the next call; it never ends the sweep (the local copy has every line)."""
+    event made the traffic grow with the square of the events. It runs in a Tune callback, on
+    the driver's loop, so it is bounded (`_bounded`: an endpoint that stopped answering held
+    each event for 99 s) and a failure is one warning, tried again `RETRY_S` later with every
+    line written since; it never ends the sweep (the local copy has every line)."""
     import time
 
     path = folder / name
     if not path.exists():  # nothing written yet
         return
-    if not now and time.monotonic() - _uploaded.get(path, float("-inf")) < BATCH_S:
+    if not now and time.monotonic() < _next_upload.get(path, float("-inf")):
         return
+    wait = BATCH_S
     try:
-        upload(folder, name)
+        upload(folder, name, bounded=True)
     except (OSError, UserError) as err:
         print(f"warning: {name} not uploaded ({_first_line(err)}); trying again later", flush=True)
-        return
-    _uploaded[path] = time.monotonic()
+        wait = RETRY_S
+    _next_upload[path] = time.monotonic() + wait
 
 
 def open_location(where: str) -> tuple[Any, str]:
@@ -259,11 +277,45 @@ def has_tune_state(where: str) -> bool:
 
 
 def exists(uri: str) -> bool:
-    """Whether anything is stored under `uri`."""
+    """Whether anything is stored under `uri`: an object, or a folder that holds one (an empty
+    folder marker, which pyarrow writes where it deletes a folder's last object, is nothing)."""
     import pyarrow.fs
 
     fs, path = filesystem(uri)
-    return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
+    kind = fs.get_file_info(path).type
+    if kind == pyarrow.fs.FileType.Directory:
+        return bool(fs.get_file_info(pyarrow.fs.FileSelector(path)))
+    return kind != pyarrow.fs.FileType.NotFound
+
+
+CLAIM_PREFIX = ".gptrun-claim-"  # one object per sweep that claimed the name (`claim`)
+
+
+def claim(uri: str) -> bool:
+    """Take the name `uri` for a new sweep: True for at most one of the sweeps that try at once.
+    pyarrow.fs has no exclusive create (S3's If-None-Match, GCS's generation 0), so each
+    claimant writes an object of its own under `uri` and then lists it: S3 and GCS list every
+    object written before the listing began, so of two claimants the one that lists last sees
+    both. Only one that finds nothing but its own object goes on; the others remove theirs and
+    give way (two at the same moment may both give way; two never both go on). The winner's
+    object stays: the name is taken from then on, as a local sweep's `mkdir` takes it. (A
+    loser's delete leaves the empty folder marker pyarrow writes for a parent; `exists` looks
+    past it.)"""
+    import secrets
+
+    import pyarrow.fs
+
+    if exists(uri):  # taken long ago: nothing of ours is written there
+        return False
+    fs, path = filesystem(uri)
+    mine = f"{path}/{CLAIM_PREFIX}{secrets.token_hex(8)}"
+    with fs.open_output_stream(mine):
+        pass
+    found = fs.get_file_info(pyarrow.fs.FileSelector(path))
+    if [f.path for f in found] == [mine]:
+        return True
+    fs.delete_file(mine)
+    return False
 
 
 def delete(uri: str) -> None:

@@ -33,13 +33,7 @@ def load_tune_trials(exp_dir: Path) -> list[TuneTrial]:
             f"{where} is not a gptrun sweep folder (no gptrun.toml / Tune state); "
             "pass the folder that `gptrun sweep` printed"
         )
-    try:
-        return read_tune_trials(where)
-    except (ValueError, KeyError, TypeError) as err:
-        raise UserError(
-            f"Tune's saved state in {where} cannot be read ({type(err).__name__}: {err}); the "
-            "folder is damaged: restore it from a copy, or start the sweep again with --restart"
-        ) from None
+    return read_tune_trials(where)  # UserError for a damaged state, naming its file
 
 
 def tune_status(tune_status: str, last: dict[str, Any], max_tokens: float, asha_stopped: bool) -> str:

@@ -9,7 +9,10 @@ are shown with their password hidden: they go to the console and into logs.
 
 from __future__ import annotations
 
+import functools
 import shlex
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 from gptcore.errors import UserError
@@ -49,7 +52,9 @@ def rdb_storage(url: str, read_only: bool = False) -> Any:
 
     `read_only` is for a storage gptrun only reads (a warm start's source): Optuna creates no
     tables in it, and a sqlite file is opened read-only, so a damaged or empty source is refused
-    as it is, not repaired into an empty study."""
+    as it is, not repaired into an empty study. The file is named to sqlite as a percent-encoded
+    `file:` URI: spliced in raw, a `#` or `?` in its folder cut the path short, dropped
+    `mode=ro`, and sqlite created an empty database where the cut path pointed."""
     import optuna
     import sqlalchemy.exc
     from sqlalchemy.engine import make_url
@@ -67,7 +72,8 @@ def rdb_storage(url: str, read_only: bool = False) -> Any:
     if backend == "postgresql":
         kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
     elif backend == "sqlite" and read_only and parsed.database:
-        url = f"sqlite:///file:{parsed.database}?mode=ro&uri=true"
+        ro_uri = f"{Path(parsed.database).resolve().as_uri()}?mode=ro"
+        kwargs["creator"] = functools.partial(sqlite3.connect, ro_uri, uri=True)
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_table_creation=read_only)
     except ImportError as err:  # Optuna wraps the driver's ModuleNotFoundError

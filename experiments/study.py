@@ -31,6 +31,14 @@ from experiments.record import CONFIG, CONTINUES, FINAL, STATUS, TUNE_ID, final_
 from experiments.storage import rdb_storage, shown_url
 from gptcore.errors import UserError
 
+# Why a trial ended as Tune's error: the trial function reports every error it catches with its
+# reason (`experiments.trial`), so Tune tells one only once the retries of its FailureConfig are
+# spent on a trial that raised past that (or whose process died), without a result.
+TUNE_ERROR = (
+    "ended by an error on each try Tune gave it (most often its process or node was lost, e.g. "
+    "killed for memory): see error.txt in its trial folder"
+)
+
 
 class StudySearch(OptunaSearch):
     def __init__(self, *, full_tokens: int, num_samples: int, **kwargs: Any) -> None:
@@ -40,6 +48,7 @@ class StudySearch(OptunaSearch):
         self._orphans: list[tuple[int, list[str]]] = []  # trials Tune never saved: (storage id,
         # the Tune trials that ran them, oldest first)
         self._resumed = False  # restored from Tune's saved state (`restore`)
+        self._last: dict[str, dict] = {}  # trial id -> its last report (what an error keeps)
 
     def suggest(self, trial_id: str) -> dict | str | None:
         import optuna
@@ -87,6 +96,7 @@ class StudySearch(OptunaSearch):
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         if trial_id in told_trials(self) or trial_id not in optuna_trials(self):
             return
+        self._last[trial_id] = final_result(result)
         self._record(trial_id, result)
 
     def _record(self, trial_id: str, result: dict) -> None:
@@ -111,7 +121,7 @@ class StudySearch(OptunaSearch):
         if result and not error:
             self._record(trial_id, result)  # the result that ended it reached no on_trial_result
         status = ended_status(None if error else result, self._full_tokens)
-        final = final_result(result)
+        final = final_result({**self._last.pop(trial_id, {}), "reason": TUNE_ERROR} if error else result)
         trial = optuna_trials(self)[trial_id]
         trial.set_user_attr(FINAL, final)
         trial.set_user_attr(STATUS, status)  # the end is recorded from here on

@@ -155,11 +155,11 @@ def claim_name(plan: SweepPlan) -> None:
     """Take a new sweep's name, or refuse it if another sweep took it since `plan_sweep` looked
     (the wait for the cluster can last minutes; a teammate may start the same name meanwhile).
     A local folder is made with `mkdir`, which only one process can win; in object storage,
-    which has no such call, the name is looked up again right before its first file is written.
+    which has no such call, a claim object is written and the name listed (`remote.claim`).
     A working copy left on this machine by a deleted URI is stale: it goes."""
     taken = f"experiment {plan.location} was created while this sweep waited for the cluster"
     if plan.uri:
-        if remote.exists(plan.uri):
+        if not remote.claim(plan.uri):
             raise UserError(f"{taken}; pick another --name, or pass --restart to replace it")
         if plan.exp_dir.exists():
             shutil.rmtree(plan.exp_dir)
@@ -203,6 +203,7 @@ def run_resume(plan: SweepPlan) -> int:
     cfg = plan.cfg
     cap = cfg.sweep.max_concurrent or cfg.sweep.num_samples
     with room_for(trial_bundles(cfg), cap, "one trial", None):  # Tune keeps the saved width
+        verify_trial_nodes(cfg.data.dir)  # the cluster may not be the one the sweep began on
         restore_tuner(cfg, plan.space, plan.exp_dir).fit()
     return finish(cfg, plan.space, plan.exp_dir)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.budget import trial_tokens
-from experiments.config import RayExperiment, load_experiment
+from experiments.config import RayExperiment, load_experiment, with_absolute_paths
 from experiments.experiment import load_base
 from experiments.outcome import best_trial
 from experiments.results import best_config, fmt_value, load_trials
@@ -75,9 +75,8 @@ def transfer_cli(
     values["optim.lr"] = proxy.optim.lr * horizon
     values["model.mup_base_width"] = proxy.model.mup_base_width
     values["model.mup_output_mult"] = proxy.model.mup_output_mult
-    # Absolute, as in best.toml: the printed `gptrun train OUT` then works from any folder.
-    values["data.dir"] = str(Path(target_cfg.data.dir).expanduser().resolve())
-    result = apply_overrides(target_cfg, values)
+    # Paths absolute, as in best.toml: the printed `gptrun train OUT` then works from any folder.
+    result = with_absolute_paths(apply_overrides(target_cfg, values))
     out_path = Path(out) if out else exp_dir / f"transfer-{Path(target).stem}.toml"
     check_out_file(out_path, force)
     _print_side_by_side(proxy, result, best, proxy_tokens, target_tokens, horizon, horizon_exponent, space)

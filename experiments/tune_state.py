@@ -19,6 +19,7 @@ from typing import Any
 
 from experiments import remote
 from gptcore.checkpoint import CHECKPOINT_FILE
+from gptcore.errors import UserError
 
 PREFIX = "checkpoint_"  # a trial's checkpoint folders: checkpoint_000000, checkpoint_000001, ...
 
@@ -58,24 +59,32 @@ class TuneTrial:
 
 
 def read_tune_trials(where: str) -> list[TuneTrial]:
-    """The trials of the experiment in folder or URI `where`, from its newest saved state."""
+    """The trials of the experiment in folder or URI `where`, from its newest saved state: one
+    line naming that file where it is not the JSON Tune writes (cut short by a full disk or an
+    interrupted copy, edited by hand)."""
     fs, root = remote.open_location(where)
-    with fs.open_input_stream(_newest_state(fs, root)) as f:
-        state = json.loads(f.read())
-    trials = []
-    for trial_json, meta_json in state["trial_data"]:
-        trial, meta = json.loads(trial_json), json.loads(meta_json)
-        trials.append(
-            TuneTrial(
-                trial_id=trial["trial_id"],
-                status=trial["status"],
-                config=_plain(trial.get("config")),
-                last_result=_plain(meta.get("last_result")),
-                fs=fs,
-                folder=f"{root}/{trial['relative_logdir']}",
-            )
-        )
-    return trials
+    path = _newest_state(fs, root)
+    with fs.open_input_stream(path) as f:
+        text = f.read()
+    try:
+        return [_trial(json.loads(t), json.loads(m), fs, root) for t, m in json.loads(text)["trial_data"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # each a shape JSON can take
+        raise UserError(
+            f"Tune's saved state {remote.shown_path(path, fs)} is damaged ({type(err).__name__}: "
+            f"{err}); restore the sweep's folder from a copy, or start the sweep again with --restart"
+        ) from None
+
+
+def _trial(trial: dict[str, Any], meta: dict[str, Any], fs: Any, root: str) -> TuneTrial:
+    """One trial of the state's `trial_data`: its trial's JSON and its run metadata's JSON."""
+    return TuneTrial(
+        trial_id=trial["trial_id"],
+        status=trial["status"],
+        config=_plain(trial.get("config")),
+        last_result=_plain(meta.get("last_result")),
+        fs=fs,
+        folder=f"{root}/{trial['relative_logdir']}",
+    )
 
 
 def _newest_state(fs: Any, root: str) -> str:

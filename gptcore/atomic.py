@@ -20,6 +20,23 @@ from pathlib import Path
 from gptcore.errors import UserError
 
 AT_FDCWD, RENAME_EXCHANGE = -100, 2  # Linux's <fcntl.h> and <linux/fs.h>
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # no permission, a read-only filesystem
+
+
+@contextlib.contextmanager
+def _writable(path: Path) -> Iterator[None]:
+    """Turn a write beside `path` refused for want of permission, or by a read-only filesystem,
+    into one line naming it: the user chose a place they cannot write. The atomic writers wrap
+    their first write in it, so every command's outputs are covered, whether or not it checked
+    its output folder up front (`check_writable_dir`); other errors (a full disk) stay failures."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in UNWRITABLE:
+            raise
+        raise UserError(
+            f"{path} is not writable ({err.strerror}); give a path on a writable filesystem"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -27,8 +44,9 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `path`; on success fsync it, rename it onto `path` and fsync the
     folder; on error remove it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with _writable(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)
     try:
@@ -49,11 +67,12 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     The folder gets the permissions `mkdir` would give it (mkdtemp's are owner-only), so others
     can read what is shared (a data folder on a cluster, an exported model)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     old = path.with_name(f".{path.name}.old")
-    if old.exists() and not path.exists():  # a run killed between the two renames below
-        os.replace(old, path)
-    tmp = _new_folder(path.parent, f".{path.name}.", ".tmp")
+    with _writable(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if old.exists() and not path.exists():  # a run killed between the two renames below
+            os.replace(old, path)
+        tmp = _new_folder(path.parent, f".{path.name}.", ".tmp")
     try:
         yield tmp
         fsync_tree(tmp)

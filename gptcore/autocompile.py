@@ -7,12 +7,14 @@ over the steps left exceeds the compile time it expects:
 
     saving = steps left x micro-steps per step x eager model step x (1 - 1 / speedup)
 
-Every compile measures its cost and speedup (medians of a few timed steps each way), and they
-are cached per (device, torch version, model shape, batch, precision) in gptrun's cache folder
-(`compile_costs.json`). The cost is rewritten when a compile lands far from it (a warm inductor
-cache compiles several times faster than a cold one); the speedup expected is the median of the
-last `KEPT_SPEEDUPS` measured, since one timing on a busy machine can be off several-fold either
-way. Until a shape has been compiled once on a machine, `PRIORS` stand in.
+Every compile measures what it cost and a few timed model steps each way, cached per (device,
+torch version, model shape, batch, precision) in gptrun's cache folder (`compile_costs.json`) as
+durations under the rule of every cached measurement (`gptcore.measured.Measured`): the shortest
+sample of each is kept, since other work on the machine only lengthens a timing. The speedup
+expected is the best eager step over the best compiled step, so one step timed on a busy machine
+(seen off several-fold either way) moves nothing; a warm inductor cache compiles several times
+faster than a cold one, and its compile is the cost from then on, which every later run on the
+node pays too. Until a shape has been compiled once on a machine, `PRIORS` stand in.
 
 Inductor's and AOTAutograd's on-disk caches go to gptrun's cache folder too (`torch-compile/`,
 unless TORCHINDUCTOR_CACHE_DIR is set), so the later trials of a sweep on one node, and a
@@ -22,19 +24,17 @@ resumed run, compile from a warm cache.
 from __future__ import annotations
 
 import os
-import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from gptcore.config import SHAPE_KEYS, ExperimentConfig
 from gptcore.data import cache_dir
-from gptcore.measured import locked_table
+from gptcore.measured import Measured
 from gptcore.mfu import machine_name
 
-COSTS_FILE = "compile_costs.json"
-REFRESH_RATIO = 1.5  # a compile this many times off the cached seconds (either way) is cached anew
-KEPT_SPEEDUPS = 5  # the speedup expected is the median of this many last measured
+COSTS = Measured("compile_costs.json", best=min)  # seconds: durations, so the shortest sample
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,11 @@ def cost_key(device: torch.device, cfg: ExperimentConfig, precision: str) -> str
 def expected_cost(key: str, device: torch.device) -> CompileCost | None:
     """The cached measurement of `key`, else the prior of the device type (None: no compile);
     free where this process compiled `key` before (`first_compile_here`)."""
-    with locked_table(COSTS_FILE) as table:
-        cost = _cached(table, key) or PRIORS.get(device.type)
+    figures = COSTS.read()
+    seconds, eager, compiled = (figures.get(f"{key}|{name}") for name in _FIGURES)
+    cost = PRIORS.get(device.type)
+    if seconds and eager and compiled:
+        cost = CompileCost(seconds, eager / compiled, "measured")
     if cost is not None and key in _compiled_here:
         return CompileCost(0.0, cost.speedup, "none: compiled in this process before")
     return cost
@@ -93,33 +96,17 @@ def first_compile_here(key: str) -> bool:
     return first
 
 
-def record(key: str, measured: CompileCost, *, with_seconds: bool = True) -> None:
-    """Add `measured` to the cache: its seconds (if `with_seconds`) unless the cached figure is
-    within `REFRESH_RATIO` of them, its speedup to the last `KEPT_SPEEDUPS`."""
-    with locked_table(COSTS_FILE) as table:
-        old = _cached(table, key)
-        seconds = measured.seconds
-        if old is not None and not with_seconds:
-            seconds = old.seconds
-        if old is not None and old.seconds / REFRESH_RATIO <= seconds <= old.seconds * REFRESH_RATIO:
-            seconds = old.seconds
-        speedups = table[key]["speedups"] if old is not None else []
-        table[key] = {
-            "seconds": float(f"{seconds:.4g}"),
-            "speedups": [*speedups, round(measured.speedup, 4)][-KEPT_SPEEDUPS:],
-        }
+_FIGURES = ("compile", "eager_step", "compiled_step")  # seconds, each `key|name` in `COSTS`
 
 
-def _cached(table: dict, key: str) -> CompileCost | None:
-    entry = table.get(key)
-    if not isinstance(entry, dict):
-        return None
-    seconds, speedups = entry.get("seconds"), entry.get("speedups")
-    if not (isinstance(seconds, (int, float)) and seconds >= 0 and isinstance(speedups, list) and speedups):
-        return None
-    if not all(isinstance(s, (int, float)) and s > 0 for s in speedups):
-        return None
-    return CompileCost(float(seconds), float(statistics.median(speedups)), "measured")
+def record(
+    key: str, seconds: float | None, eager_steps: Sequence[float], compiled_steps: Sequence[float]
+) -> None:
+    """Keep one compile's samples: its `seconds` (None: not a compile a new run would pay) and
+    its timed model steps each way."""
+    taken = ([] if seconds is None else [seconds], eager_steps, compiled_steps)
+    for name, samples in zip(_FIGURES, taken, strict=True):
+        COSTS.add(f"{key}|{name}", *samples)
 
 
 def share_compile_cache() -> None:

@@ -10,11 +10,11 @@ decide `train.precision = "auto"` on a CPU. gptrun's own processes take turns (a
 the cache: one measures, the others wait and read its figure).
 
 Other work on the machine can only make a measured peak too low, never too high, and a peak too
-low inflates every later MFU. So a peak is the best of several samples; more threads are never
-taken as slower than fewer (a figure below a fewer-thread one was measured while the machine was
-busy: the fewer-thread figure stands); and an MFU over 100%, which proves the peak wrong, makes
-the trainer measure again (keeping the higher figure) and, if the MFU is still over 100%, say so
-and report MFU n/a rather than an impossible figure.
+low inflates every later MFU. So a peak follows `gptcore.measured.Measured`: the best of several
+samples, measured again when something contradicts it. Two things do: a figure below the one of
+fewer threads (more threads are never slower: if it is still lower measured again, the
+fewer-thread figure stands), and an MFU over 100% (the trainer passes the rate it reached; if the
+peak is still below it measured again, the trainer says so and reports MFU n/a).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from gptcore.measured import locked_table, table_path
+from gptcore.measured import Measured, table_path
 
 # Dense bf16 tensor-core peak FLOP/s by a substring of torch.cuda.get_device_name(), matched
 # case-insensitively, longest key first (so "H100 PCIE" wins over "H100", "A100" over "A10").
@@ -56,14 +56,14 @@ PEAK_BF16_FLOPS: dict[str, float] = {
     "MI250X": 383e12,
 }
 
-_CACHE_FILE = "cpu_peak_flops.json"
-_measured: dict[str, float] = {}  # this process's CPU measurements, by cache key
+PEAKS = Measured("cpu_peak_flops.json", best=max)  # FLOP/s: a rate, so the highest sample
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def device_peak_flops(device: torch.device | str, precision: str) -> tuple[float, str]:
+def device_peak_flops(device: torch.device | str, precision: str, reached: float = 0.0) -> tuple[float, str]:
     """(peak FLOP/s, a description for logs) of `device` computing in `precision` ("fp32" or
-    "bf16"); peak 0.0 means unknown, so MFU is reported n/a."""
+    "bf16"); peak 0.0 means unknown, so MFU is reported n/a. `reached`: FLOP/s a run achieved,
+    which a CPU's peak must not be below (see `cpu_matmul_flops`)."""
     device = torch.device(device)
     if precision not in DTYPES:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(DTYPES)}")
@@ -77,39 +77,30 @@ def device_peak_flops(device: torch.device | str, precision: str) -> tuple[float
                 return peak, f"{name}: {peak / 1e12:.0f} TFLOP/s dense bf16 (datasheet){note}"
         return 0.0, f"unknown GPU {name!r}: add its peak to gptcore.mfu.PEAK_BF16_FLOPS"
     if device.type == "cpu":
-        peak = cpu_matmul_flops(precision)
+        peak = cpu_matmul_flops(precision, reached)
         return peak, (
             f"{_cpu_name()}, {torch.get_num_threads()} threads: {peak / 1e9:.1f} GFLOP/s {precision} "
-            f"matmul (best of {SAMPLES} samples, cached in {table_path(_CACHE_FILE)}; measured again "
-            "if an MFU goes over 100%)"
+            f"matmul (the best sample, cached in {table_path(PEAKS.table)}; measured "
+            "again if an MFU goes over 100%)"
         )
     return 0.0, f"no peak known for device type {device.type!r}"
 
 
-def cpu_matmul_flops(precision: str) -> float:
-    """This CPU's measured matmul FLOP/s in `precision` with torch's current thread count: the
-    best figure cached for this many threads or fewer (more threads are never slower)."""
+def cpu_matmul_flops(precision: str, reached: float = 0.0) -> float:
+    """This CPU's matmul FLOP/s in `precision` with torch's current thread count, cached (`PEAKS`).
+
+    A cached figure below the one of fewer threads, or below `reached` (FLOP/s a run achieved), is
+    proved too low and measured again. Still below the fewer-thread figure, that figure stands
+    (and is kept, so that no later start measures again); still below `reached`, it is returned
+    as it is, for the caller to flag."""
     threads = torch.get_num_threads()
-    key = _cpu_key(threads, precision)
-    if key not in _measured:
-        with locked_table(_CACHE_FILE) as table:
-            if not isinstance(table.get(key), (int, float)):
-                table[key] = _sample_peak(DTYPES[precision])
-            figures = [table.get(_cpu_key(n, precision)) for n in range(1, threads + 1)]
-            _measured[key] = max(float(f) for f in figures if isinstance(f, (int, float)))
-    return _measured[key]
-
-
-def remeasure_cpu_peak(precision: str) -> float:
-    """Measure this CPU's peak again, keep the higher of the new and the cached figure, and
-    return the peak now in force: for when an MFU over 100% has proved the cached one too low."""
-    key = _cpu_key(torch.get_num_threads(), precision)
-    with locked_table(_CACHE_FILE) as table:
-        old = table.get(key)
-        new = _sample_peak(DTYPES[precision])
-        table[key] = max(new, float(old)) if isinstance(old, (int, float)) else new
-    _measured.pop(key, None)
-    return cpu_matmul_flops(precision)
+    cached = PEAKS.read()
+    fewer = max((cached.get(_cpu_key(n, precision), 0.0) for n in range(1, threads)), default=0.0)
+    key, dtype = _cpu_key(threads, precision), DTYPES[precision]
+    peak = PEAKS.figure(key, lambda: _measure_matmul_flops(dtype=dtype), lambda f: f >= max(fewer, reached))
+    if peak is None or peak < fewer:  # more threads are never slower: the fewer-thread figure stands
+        peak = PEAKS.add(key, fewer) or 0.0
+    return peak
 
 
 def _cpu_key(threads: int, precision: str) -> str:
@@ -141,32 +132,22 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-SAMPLES, SAMPLE_GAP_S = 3, 0.2
-
-
-def _sample_peak(dtype: torch.dtype) -> float:
-    """The best of SAMPLES measurements a little apart: a burst of other work on the machine
-    lowers one of them, rarely all. It runs under the cache's lock (see `cpu_matmul_flops`):
-    trials starting together on a fresh node would otherwise all measure at once, each on a
-    share of the CPU, and cache a fraction of its peak."""
-    rates = []
-    for i in range(SAMPLES):
-        if i:
-            time.sleep(SAMPLE_GAP_S)
-        rates.append(_measure_matmul_flops(dtype=dtype))
-    return max(rates)
-
-
 def _measure_matmul_flops(n: int = 1024, seconds: float = 0.5, dtype: torch.dtype = torch.float32) -> float:
-    """Best rate of an n x n matmul in `dtype` over ~`seconds`, with torch's current thread count.
-    On a CPU without bf16 units a bf16 matmul can be 10-100x slower than fp32: the warm-up then
-    stops early, so the measurement stays within a few seconds."""
+    """Best rate of an n x n matmul in `dtype` over ~`seconds`, with torch's current thread count:
+    one sample of a peak. It runs under the cache's lock (`Measured.figure`): trials starting
+    together on a fresh node would otherwise all measure at once, each on a share of the CPU.
+    On a CPU without bf16 units a bf16 matmul can be 100-1000x slower than fp32 (7-20 s for one
+    here): the warm-up then stops early, and a first matmul longer than `seconds` is the sample
+    (what a warm-up would save is nothing beside it)."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
     start = time.perf_counter()
-    for _ in range(3):  # warm-up: thread pool start, page faults, oneDNN kernel selection
+    for i in range(3):  # warm-up: thread pool start, page faults, oneDNN kernel selection
         torch.mm(a, b, out=out)
-        if time.perf_counter() - start > seconds / 4:
+        elapsed = time.perf_counter() - start
+        if i == 0 and elapsed > seconds:
+            return 2.0 * n**3 / elapsed
+        if elapsed > seconds / 4:
             break
     best = 0.0
     deadline = time.perf_counter() + seconds

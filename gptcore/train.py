@@ -24,7 +24,6 @@ import contextlib
 import copy
 import math
 import signal
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +43,7 @@ from gptcore.data import IGNORE_INDEX, TokenData
 from gptcore.device import resolve_device
 from gptcore.errors import DivergedError, UserError
 from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
-from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu, remeasure_cpu_peak
+from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, lr_at, param_groups, set_lr
 from gptcore.tokenizer import token_byte_lengths
@@ -339,7 +338,8 @@ class Trainer:
             return "compile off (train.compile=false)"
         key = autocompile.cost_key(self.device, self.cfg, self.precision)
         self._time_model_step(self.model)  # warm-up: allocator, autocast caches
-        eager_seconds = self._median_model_step(self.model)
+        eager_steps = self._model_steps(self.model)
+        eager_seconds = min(eager_steps)
         if setting == "auto":
             micro_steps_left = (self.total_steps - self.step) * self.cfg.train.grad_accum
             on, line = autocompile.decide(
@@ -359,20 +359,21 @@ class Trainer:
             reason = next((s for s in str(err).splitlines() if s.strip()), "")[:200]
             return f"warning: torch.compile failed, training eager ({type(err).__name__}: {reason})"
         self.step_model = compiled
-        compiled_seconds = self._median_model_step(compiled)
-        measured = autocompile.CompileCost(
-            max(first_seconds - compiled_seconds, 0.0), eager_seconds / compiled_seconds, "measured"
-        )
+        compiled_steps = self._model_steps(compiled)
+        compiled_seconds = min(compiled_steps)
+        seconds = max(first_seconds - compiled_seconds, 0.0)
         if self.rank == 0:  # a shape compiled before in this process says nothing of a new run's cost
-            autocompile.record(key, measured, with_seconds=autocompile.first_compile_here(key))
+            first = autocompile.first_compile_here(key)
+            autocompile.record(key, seconds if first else None, eager_steps, compiled_steps)
         return (
-            f"{line} | compiled in {autocompile.duration(measured.seconds)}: model step "
-            f"{eager_seconds * 1e3:.0f} -> {compiled_seconds * 1e3:.0f} ms ({measured.speedup:.2f}x)"
+            f"{line} | compiled in {autocompile.duration(seconds)}: model step {eager_seconds * 1e3:.0f} "
+            f"-> {compiled_seconds * 1e3:.0f} ms ({eager_seconds / compiled_seconds:.2f}x)"
         )
 
-    def _median_model_step(self, model: nn.Module, timings: int = 3) -> float:
-        """The median of a few timed model steps: one on a busy machine can be off several-fold."""
-        return statistics.median(self._time_model_step(model) for _ in range(timings))
+    def _model_steps(self, model: nn.Module, timings: int = 3) -> list[float]:
+        """A few timed model steps: samples of a duration, of which the shortest is the least
+        slowed by other work on the machine (`gptcore.measured.Measured`)."""
+        return [self._time_model_step(model) for _ in range(timings)]
 
     def _time_model_step(self, model: nn.Module) -> float:
         """Seconds of one forward + backward of `model` on the next training batch, gradients
@@ -505,8 +506,8 @@ class Trainer:
         if self.device.type == "cpu" and not self.peak_remeasured:
             self.peak_remeasured = True
             old = self.peak_flops
-            remeasure_cpu_peak(self.precision)
-            self.peak_flops, self.peak_source = device_peak_flops(self.device, self.precision)
+            reached = tokens_per_sec * self.flops_per_token
+            self.peak_flops, self.peak_source = device_peak_flops(self.device, self.precision, reached)
             value = mfu(tokens_per_sec, self.flops_per_token, self.peak_flops)
             self.log(
                 f"MFU was {100 * mfu(tokens_per_sec, self.flops_per_token, old):.0f}% of a peak of "

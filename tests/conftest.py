@@ -4,6 +4,7 @@ session's own gptrun cache; and the hook that sorts every test into its tier."""
 from __future__ import annotations
 
 import dis
+import importlib.util
 import inspect
 import json
 import os
@@ -112,6 +113,15 @@ def study_values(url: str, name: str) -> dict[str, tuple[str, float | None, dict
             }
     finally:
         engine.dispose()
+
+
+def load_local_module() -> Any:
+    """cluster/local.py as a module (it is a script, not a package): its /proc helpers, and its
+    argument checks without the shell wrapper's seconds of `import ray`."""
+    spec = importlib.util.spec_from_file_location("gptrun_cluster_local", REPO / "cluster" / "local.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_ports(n: int) -> list[int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import importlib.util
 import json
 import os
 import re
@@ -27,7 +26,13 @@ import pytest
 
 from experiments import cluster
 from gptcore.errors import UserError
-from tests.conftest import REPO, assert_user_error, tiny_config_text, write_sweep_config
+from tests.conftest import (
+    REPO,
+    assert_user_error,
+    load_local_module,
+    tiny_config_text,
+    write_sweep_config,
+)
 
 LOCAL_SH = REPO / "cluster" / "local.sh"
 WAIT_S = 20.0  # GPTRUN_RESOURCE_WAIT_S given to the CLI in these tests (the default)
@@ -210,14 +215,6 @@ def test_check_storage_rejects_files_on_the_way(tmp_path):
 
 
 # ------------------------------------------------------------------ slow: a real 2-node cluster
-
-
-def load_local_module() -> Any:
-    """cluster/local.py as a module (it is a script, not a package), for its /proc helpers."""
-    spec = importlib.util.spec_from_file_location("gptrun_cluster_local", REPO / "cluster" / "local.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def local_sh(*args: str, state: Path, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -550,15 +547,28 @@ with ray_session(sys.argv[1]):
 """
 
 
+# What Ray's job supervisor hands the entrypoint of `ray job submit --runtime-env-json ...` (a
+# KubeRay RayJob) whose runtime_env sets one of the settings: the JobConfig, and the variable.
+SUBMITTED = {
+    "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(
+        {"runtime_env": {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "1800"}}, "metadata": {}}
+    ),
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "1800",
+}
+
+
 @pytest.mark.slow
-def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path):
+@pytest.mark.parametrize("job, timeout", [({}, "900"), (SUBMITTED, "1800")], ids=["driver", "submitted-job"])
+def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path, job, timeout):
     """A DDP trial's TorchTrainer is built in its Tune trial actor, which has its raylet's
     environment, and Ray Train passes on what that process's environment holds: the settings
-    the driver puts in os.environ must reach the job's processes on every node (runtime_env)."""
+    the driver puts in os.environ must reach the job's processes on every node (runtime_env).
+    Under `ray job submit` the job's runtime_env carries its own, which `ray.init` must not be
+    given again (Ray refuses a second value for a variable, even an equal one)."""
     proc = subprocess.run(
         [sys.executable, "-c", SETTINGS_CHILD, two_nodes.address],
         cwd=REPO,
-        env={**two_nodes.client_env(tmp_path), "PYTHONPATH": str(REPO)},
+        env={**two_nodes.client_env(tmp_path), "PYTHONPATH": str(REPO), **job},
         capture_output=True,
         text=True,
         timeout=180,
@@ -569,7 +579,7 @@ def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path):
     for settings in per_node:
         assert settings == {
             "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
-            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "900",
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": timeout,
             "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
         }
 
@@ -577,22 +587,32 @@ def test_the_drivers_ray_train_settings_reach_every_node(two_nodes, tmp_path):
 @pytest.mark.slow
 def test_a_node_without_the_data_is_refused_naming_the_node(two_nodes, tiny_data, tmp_path, monkeypatch):
     """A third node sees an empty tmpfs over data.dir (as a node without the data mount would):
-    `gptrun train` and `gptrun sweep` refuse in one line naming it, before any trial starts."""
+    `gptrun train` and `gptrun sweep` refuse in one line naming it, before any trial starts;
+    so do `gptrun resume` and `gptrun confirm` of a sweep that ran before the node joined (the
+    cluster a sweep goes on with need not be the one it began on)."""
+    env = two_nodes.client_env(tmp_path)
+    done = tmp_path / "done"
+    sweep_config = write_sweep_config(tiny_data, tmp_path / "sweep", n=1, max_steps=8)
+    proc, _ = run_clean(sweep_args(sweep_config, "done", done, two_nodes.address), env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checkpoints = sorted(done.rglob("checkpoint*"))
     with node_without(two_nodes, monkeypatch, tiny_data, "nodata"):
-        env = two_nodes.client_env(tmp_path)
         config = tmp_path / "exp.toml"
         config.write_text(tiny_config_text(tiny_data, tmp_path / "run"))
         storage = tmp_path / "storage"
         train = ["train", str(config), "--address", two_nodes.address, "--storage", str(storage)]
-        sweep_config = write_sweep_config(tiny_data, tmp_path / "sweep", n=2, max_steps=8)
         sweep = sweep_args(sweep_config, "nodata", storage, two_nodes.address)
-        for args in (train, sweep):
+        on_cluster = ["--address", two_nodes.address]
+        resume = ["resume", str(done / "done"), *on_cluster]
+        confirm = ["confirm", str(done / "done"), "--top", "1", "--seeds", "2", *on_cluster]
+        for args in (train, sweep, resume, confirm):
             proc, _ = run_clean(args, env)
             assert_user_error(proc, f"data.dir {tiny_data} is not usable on node(s) ", "every node that runs")
             one_node = r"on node\(s\) [\d.]+ \([0-9a-f]{8}\) \(.*meta\.json not found"  # the one without it
             assert re.search(one_node, proc.stderr), proc.stderr
             assert not any(n["node_id"][:8] in proc.stderr for n in two_nodes.state["nodes"]), proc.stderr
         assert not list(storage.rglob("checkpoint*"))  # no trial ran
+        assert sorted(done.rglob("checkpoint*")) == checkpoints
 
 
 def test_a_node_with_another_torch_is_refused_naming_both_versions(

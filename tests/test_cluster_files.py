@@ -9,8 +9,11 @@ real, under Slurm, in tests/test_slurm.py."""
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import subprocess
+import sys
 import tomllib
 from importlib.metadata import version
 from pathlib import Path
@@ -20,7 +23,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load_local_module
 from tests.schemas import (
     ec2_run_instances_errors,
     errors,
@@ -533,40 +536,66 @@ def test_slurm_sh_expands_arrays_that_may_be_empty_the_bash_4_2_way():
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--port", "99999"], "'99999' is not a port (1-65535)"),
-        (["--port", "http"], "'http' is not a port"),
-        (["--autoscale", "0"], "'0' must be a whole number >= 1"),
-        (["--autoscale", "-1"], "'-1' must be a whole number >= 1"),
-        (["--autoscale", "abc"], "'abc' must be a whole number >= 1"),
-        (["--nodes", "-1"], "--nodes must be >= 0"),
+        (["up", "--port", "99999"], "argument --port: '99999' is not a port (1-65535)"),
+        (["up", "--port", "http"], "'http' is not a port"),
+        (["up", "--autoscale", "0"], "argument --autoscale: '0' must be a whole number >= 1"),
+        (["up", "--autoscale", "-1"], "'-1' must be a whole number >= 1"),
+        (["up", "--autoscale", "abc"], "'abc' must be a whole number >= 1"),
+        (["up", "--nodes", "-1"], "argument --nodes: '-1' must be a whole number >= 0"),
+        (["up", "--head-cpus", "-1"], "argument --head-cpus: '-1' must be a whole number >= 0"),
+        (["up", "--gpus-per-node", "1.5"], "'1.5' must be a whole number >= 0"),
+        (["up", "--object-store-mb", "10"], "'10' must be a whole number >= 80"),
+        (
+            ["up", "--idle-timeout-s", "nan"],
+            "argument --idle-timeout-s: 'nan' must be a number of seconds > 0",
+        ),
+        (["up", "--timeout", "inf"], "'inf' must be a number of seconds > 0"),
+        (["up", "--timeout", "0"], "'0' must be a number of seconds > 0"),
+        (["up", "--autoscale", "2", "--nodes", "1"], "--autoscale MAX adds the worker nodes itself"),
+        (["down", "--grace", "-1"], "argument --grace: '-1' must be a number of seconds > 0"),
+        (["start-node", "worker1", "--cpus", "0"], "argument --cpus: '0' must be a whole number >= 1"),
     ],
 )
-def test_local_sh_up_refuses_bad_input_in_one_line(tmp_path, args, needle):
-    """Exit 2 and one line, before anything starts: Ray would listen on 99999 mod 65536."""
-    proc = subprocess.run(
-        [str(CLUSTER / "local.sh"), "up", "--dir", str(tmp_path / "c"), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
-    assert not (tmp_path / "c").exists() and "Traceback" not in proc.stderr
+def test_local_sh_refuses_bad_input_in_one_line_before_anything_starts(tmp_path, capsys, args, needle):
+    """Exit 2 and one line, nothing written: Ray would listen on 99999 mod 65536, and a count
+    or time that `ray start` refuses (or a nan that passes `<= 0`) showed once the head ran."""
+    local = load_local_module()
+    try:
+        status = local.main([*args, "--dir", str(tmp_path / "c")])
+    except SystemExit as exit_:  # argparse's refusals
+        status = exit_.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and needle in lines[0], lines
+    assert not (tmp_path / "c").exists()
 
 
-def test_local_sh_up_refuses_a_port_in_use_with_exit_2(tmp_path):
-    import socket
-
+def test_local_sh_refuses_a_port_in_use_before_writing_its_state(tmp_path, capsys):
+    local = load_local_module()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = subprocess.run(
-            [str(CLUSTER / "local.sh"), "up", "--dir", str(tmp_path / "c"), "--port", str(port)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    assert proc.returncode == 2, proc.stderr
+        assert local.main(["up", "--dir", str(tmp_path / "c"), "--port", str(port)]) == 2
     line = f"cluster/local.sh up: error: port {port} is in use; pick another --port or leave it out"
-    assert proc.stderr.strip() == line
+    assert capsys.readouterr().err.strip() == line
+    assert not (tmp_path / "c").exists()  # no token or state left for the next `up` to find
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["up", "--port", "99999"], "cluster/local.sh up: error: argument --port: '99999' is not a port"),
+        (["stop"], "cluster/local.sh: unknown command 'stop'; see cluster/local.sh --help"),
+    ],
+)
+def test_local_sh_itself_says_bad_input_in_one_line(tmp_path, args, line):
+    """Through the shell wrapper, as a user types it: one line, exit 2, no usage text."""
+    proc = subprocess.run(
+        [str(CLUSTER / "local.sh"), *args, "--dir", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "GPTRUN_PYTHON": sys.executable},
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(line), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "c").exists()

@@ -18,7 +18,11 @@ from gptcore.checkpoint import load_checkpoint, save_checkpoint
 from gptcore.config import load_config
 from gptcore.errors import UserError
 from gptcore.train import Trainer
-from tests.conftest import free_ports, run_cli, tiny_config_text
+from tests.conftest import REPO, free_ports, run_cli, tiny_config_text
+
+# What the resume test below asserts of compiled runs, as docs/training.md states it.
+RESUMED_LOSS_REL = "1e-5"  # a compiled run resumed in its own process, every step's loss
+CROSS_MODE_REL = "1e-4"  # a compiled checkpoint resumed eager, and the other way round
 
 
 @pytest.fixture
@@ -68,31 +72,31 @@ def test_auto_weighs_the_compile_time_against_the_time_it_saves():
     )
 
 
-def test_the_cost_cache_falls_back_to_the_prior_and_keeps_robust_figures(cache):
+def test_the_cost_cache_falls_back_to_the_prior_and_keeps_the_shortest_samples(cache):
+    """Compile costs are durations under `gptcore.measured.Measured`: each figure is its shortest
+    sample, since a busy machine only lengthens a timing."""
     cpu = torch.device("cpu")
     assert autocompile.expected_cost("k", cpu) == autocompile.PRIORS["cpu"]
     assert autocompile.expected_cost("k", torch.device("mps")) is None
-    autocompile.record("k", CompileCost(20.0, 1.2, "measured"))
-    assert autocompile.expected_cost("k", cpu) == CompileCost(20.0, 1.2, "measured")
-    autocompile.record("k", CompileCost(25.0, 1.3, "measured"))  # within 1.5x: the cost is kept
-    assert autocompile.expected_cost("k", cpu) == CompileCost(20.0, 1.25, "measured")
-    autocompile.record("k", CompileCost(4.0, 12.6, "measured"))  # a warm cache: 5x faster
-    assert autocompile.expected_cost("k", cpu) == CompileCost(4.0, 1.3, "measured")  # one outlier
-    for speedup in (0.12, 1.1, 1.2, 1.2):  # the last 5 count: 1.3, 12.6, 0.12, 1.1, 1.2, 1.2
-        autocompile.record("k", CompileCost(4.0, speedup, "measured"))
-    assert autocompile.expected_cost("k", cpu).speedup == 1.2
+    autocompile.record("k", 20.0, [0.8, 0.75, 0.9], [0.5, 0.6, 0.55])
+    assert autocompile.expected_cost("k", cpu) == CompileCost(20.0, 1.5, "measured")
+    # A busy machine: a slower compile and eager steps (12.6x over the compiled ones) move nothing.
+    autocompile.record("k", 25.0, [6.3, 6.0, 7.0], [0.5])
+    assert autocompile.expected_cost("k", cpu) == CompileCost(20.0, 1.5, "measured")
+    autocompile.record("k", 4.0, [0.75], [0.625])  # a warm inductor cache: 5x faster to compile
+    assert autocompile.expected_cost("k", cpu) == CompileCost(4.0, 1.5, "measured")
     assert autocompile.first_compile_here("k") and not autocompile.first_compile_here("k")
-    autocompile.record("k", CompileCost(0.01, 1.2, "measured"), with_seconds=False)  # in-process
+    autocompile.record("k", None, [0.75], [0.5])  # compiled in this process before: no seconds
     assert autocompile.expected_cost("k", cpu) == CompileCost(
-        0.0, 1.2, "none: compiled in this process before"
+        0.0, 1.5, "none: compiled in this process before"
     )
     autocompile._compiled_here.clear()  # a new process: what the cache holds
     assert autocompile.expected_cost("k", cpu).seconds == 4.0
-    (cache / autocompile.COSTS_FILE).write_text("{not json")  # damaged: the prior, then rewritten
+    (cache / autocompile.COSTS.table).write_text("{not json")  # damaged: the prior, then rewritten
     assert autocompile.expected_cost("k", cpu) == autocompile.PRIORS["cpu"]
-    autocompile.record("k", CompileCost(3.0, 1.1, "measured"))
-    saved = json.loads((cache / autocompile.COSTS_FILE).read_text())
-    assert saved == {"k": {"seconds": 3.0, "speedups": [1.1]}}
+    autocompile.record("k", 3.0, [0.75, 0.8], [0.5])
+    saved = json.loads((cache / autocompile.COSTS.table).read_text())
+    assert saved == {"k|compile": 3.0, "k|eager_step": 0.75, "k|compiled_step": 0.5}
 
 
 def test_compile_is_auto_true_or_false_and_anything_else_is_one_line():
@@ -132,8 +136,9 @@ def test_compiled_runs_resume_and_checkpoints_cross_modes(tiny_data, tmp_path, c
     assert isinstance(full.step_model, torch._dynamo.eval_frame.OptimizedModule)
     assert any(entry.startswith("compile on (train.compile=true) | compiled in ") for entry in logs)
     # The compile cost is measured and cached, and inductor's caches live in gptrun's folder.
-    (entry,) = json.loads((cache / autocompile.COSTS_FILE).read_text()).values()
-    assert entry["seconds"] >= 0 and len(entry["speedups"]) == 1 and entry["speedups"][0] > 0
+    figures = json.loads((cache / autocompile.COSTS.table).read_text())
+    assert sorted(key.rsplit("|", 1)[1] for key in figures) == ["compile", "compiled_step", "eager_step"]
+    assert all(seconds > 0 for seconds in figures.values())
     assert any((cache / "torch-compile").iterdir())
 
     saved = {}
@@ -145,9 +150,9 @@ def test_compiled_runs_resume_and_checkpoints_cross_modes(tiny_data, tmp_path, c
     assert not [k for k in saved["state"]["model"] if "_orig_mod" in k]
     second = Trainer(compiled, log=None)
     second.load_state_dict(load_checkpoint(path))
-    # Not bit-identical: two fresh compiled CPU runs already differ in the last bit of a loss now
-    # and then (torch 2.13's inductor kernels), unlike eager runs (test_train's resume test).
-    assert first_losses + losses_of(second) == pytest.approx(full_losses, rel=1e-5, abs=0)
+    # Not bit-identical even in one process (torch 2.13's inductor kernels), unlike eager runs
+    # (test_train's resume test); runs in new processes drift further (docs/training.md).
+    assert first_losses + losses_of(second) == pytest.approx(full_losses, rel=float(RESUMED_LOSS_REL), abs=0)
     assert (second.step, second.batch_index) == (full.step, full.batch_index)
     for a, b in zip(full.model.parameters(), second.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -155,20 +160,30 @@ def test_compiled_runs_resume_and_checkpoints_cross_modes(tiny_data, tmp_path, c
     # A compiled checkpoint resumes eager, and an eager one compiled: same run, within float noise.
     eager = Trainer(make_config(tiny_data, tmp_path, "train.compile=false"), log=None)
     eager.load_state_dict(load_checkpoint(path))
-    assert losses_of(eager) == pytest.approx(full_losses[6:], rel=1e-4)
+    assert losses_of(eager) == pytest.approx(full_losses[6:], rel=float(CROSS_MODE_REL))
     eager_saved = {}
     Trainer(make_config(tiny_data, tmp_path, "train.compile=false"), log=None).fit(
         on_report=lambda m, s: eager_saved.update(state=s) if s else None, stop_at_step=6
     )
     back = Trainer(compiled, log=None)
     back.load_state_dict(eager_saved["state"])
-    assert losses_of(back) == pytest.approx(full_losses[6:], rel=1e-4)
+    assert losses_of(back) == pytest.approx(full_losses[6:], rel=float(CROSS_MODE_REL))
+
+
+def test_the_training_doc_states_the_bounds_asserted_here():
+    """docs/training.md promised compiled runs "resume to relative 1e-5" in general; the test
+    bounds a resume in the process that compiled, and fresh processes measured further apart."""
+    text = " ".join((REPO / "docs" / "training.md").read_text(encoding="utf-8").split())
+    assert f"every step's loss is within relative {RESUMED_LOSS_REL}" in text
+    assert f"an eager one resumed compiled, within {CROSS_MODE_REL}" in text
+    assert "resume it in the same process" in text and "no test bounds that" in text
+    assert "8.4e-5" in text  # the outside measurement of two fresh compiled runs
 
 
 def test_auto_compiles_when_the_cached_cost_says_it_pays(tiny_data, tmp_path, cache):
     cfg = make_config(tiny_data, tmp_path, "train.compile=auto")
     key = autocompile.cost_key(torch.device("cpu"), cfg, "fp32")
-    autocompile.record(key, CompileCost(seconds=1e-6, speedup=50.0, source="measured"))
+    autocompile.record(key, 1e-6, [50.0], [1.0])  # a 50 s eager step: longer than any real one
     assert autocompile.expected_cost(key, torch.device("cpu")) == CompileCost(1e-6, 50.0, "measured")
     logs: list[str] = []
     trainer = Trainer(cfg, log=logs.append)
@@ -176,9 +191,10 @@ def test_auto_compiles_when_the_cached_cost_says_it_pays(tiny_data, tmp_path, ca
     assert isinstance(trainer.step_model, torch._dynamo.eval_frame.OptimizedModule)
     assert logs[2].startswith("compile on (auto): ~0.0 s to save ~")
     assert "50.00x faster compiled; compile cost measured) | compiled in " in logs[2]
-    # The measured speedup joined the cached one (its value is the machine's: any, under load).
-    (entry,) = json.loads((cache / autocompile.COSTS_FILE).read_text()).values()
-    assert len(entry["speedups"]) == 2 and entry["speedups"][0] == 50.0 and entry["speedups"][1] > 0
+    # The run's samples joined the cached ones: its eager steps took well under 50 s, its cold
+    # compile far longer than 1 us (the shorter stays).
+    figures = json.loads((cache / autocompile.COSTS.table).read_text())
+    assert figures[f"{key}|eager_step"] < 50.0 and figures[f"{key}|compile"] == 1e-6
 
 
 def test_a_failing_compile_trains_eager_with_one_warning(tiny_data, tmp_path, cache):

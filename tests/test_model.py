@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -12,11 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gptcore import measured as measured_mod
 from gptcore import mfu as mfu_mod
 from gptcore.config import ModelConfig
 from gptcore.data import IGNORE_INDEX
 from gptcore.errors import UserError
 from gptcore.hf import to_hf_state_dict
+from gptcore.measured import Measured
 from gptcore.model import GPT, KVCache
 from tests.conftest import REPO
 
@@ -326,49 +329,83 @@ def test_gpu_peak_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cpu_peaks_are_measured_once_per_precision_and_cached_on_disk(tmp_path, monkeypatch) -> None:
     """fp32 and bf16 each measured once, in their own dtype, then read from the cache file: the
     MFU peak is the one of the precision in use. The fp32 key is the one older caches hold."""
-    monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(mfu_mod, "_measured", {})
-    calls = []
-    rates = {torch.float32: 4.2e10, torch.bfloat16: 1.5e11}
-    monkeypatch.setattr(mfu_mod, "_sample_peak", lambda dtype: calls.append(dtype) or rates[dtype])
+    calls = fake_peak_samples(tmp_path, monkeypatch, {torch.float32: [4.2e10], torch.bfloat16: [1.5e11]})
     peak, desc = mfu_mod.device_peak_flops(torch.device("cpu"), "fp32")
-    assert peak == 4.2e10 and "42.0 GFLOP/s fp32 matmul (best of 3 samples" in desc
+    assert peak == 4.2e10 and "42.0 GFLOP/s fp32 matmul (the best sample, cached in" in desc
     peak, desc = mfu_mod.device_peak_flops(torch.device("cpu"), "bf16")
-    assert peak == 1.5e11 and "150.0 GFLOP/s bf16 matmul (best of 3 samples" in desc
-    monkeypatch.setattr(mfu_mod, "_measured", {})  # a new process: only the disk cache remains
-    assert mfu_mod.device_peak_flops("cpu", "fp32")[0] == 4.2e10
+    assert peak == 1.5e11 and "150.0 GFLOP/s bf16 matmul (the best sample, cached in" in desc
+    assert mfu_mod.device_peak_flops("cpu", "fp32")[0] == 4.2e10  # from the disk cache
     assert mfu_mod.device_peak_flops("cpu", "bf16")[0] == 1.5e11
-    assert calls == [torch.float32, torch.bfloat16]
+    assert calls == [torch.float32] * 3 + [torch.bfloat16] * 3
     table = json.loads((tmp_path / "cpu_peak_flops.json").read_text())
     key = f"{mfu_mod._cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
     assert table == {key: 4.2e10, f"{key}|bf16": 1.5e11}
 
 
+def fake_peak_samples(tmp_path, monkeypatch, samples: dict[torch.dtype, list[float]]) -> list[torch.dtype]:
+    """A fresh cache folder and a fake matmul measurement that returns `samples` of each dtype in
+    turn (the last one again when they run out), with no pause between samples. Returns the
+    dtypes measured, one per sample taken."""
+    monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mfu_mod, "PEAKS", dataclasses.replace(mfu_mod.PEAKS, gap_s=0.0))
+    taken: list[torch.dtype] = []
+
+    def measure(dtype: torch.dtype) -> float:
+        taken.append(dtype)
+        return samples[dtype][min(taken.count(dtype), len(samples[dtype])) - 1]
+
+    monkeypatch.setattr(mfu_mod, "_measure_matmul_flops", measure)
+    return taken
+
+
 def test_a_peak_is_the_best_of_several_samples(tmp_path, monkeypatch) -> None:
-    """One sample taken while the machine is busy does not set the peak."""
-    monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(mfu_mod, "_measured", {})
-    samples = iter([5e10, 9.99e10, 7e10])
-    monkeypatch.setattr(mfu_mod, "_measure_matmul_flops", lambda dtype: next(samples))
-    monkeypatch.setattr(mfu_mod.time, "sleep", lambda _s: None)
+    """One sample taken while the machine is busy does not set the peak, and a later sample
+    lower than the figure does not lower it."""
+    fake_peak_samples(tmp_path, monkeypatch, {torch.float32: [5e10, 9.99e10, 7e10, 6e10]})
     assert mfu_mod.cpu_matmul_flops("fp32") == 9.99e10
+    assert mfu_mod.cpu_matmul_flops("fp32", reached=1.2e11) == 9.99e10  # measured again: all 6e10
 
 
-def test_more_threads_are_never_slower_than_fewer(tmp_path, monkeypatch) -> None:
-    """The cache of the issue: 2 threads measured at 62.9 GFLOP/s while busy, 1 thread at 99.9:
-    the 2-thread peak is taken as 99.9, so that no MFU goes over 100% for it."""
+def test_a_measured_figure_keeps_its_best_sample_and_is_measured_again_when_implausible(
+    tmp_path, monkeypatch
+) -> None:
+    """The rule of every cached measurement, here for durations (the shortest sample wins)."""
     monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(mfu_mod, "_measured", {})
-    monkeypatch.setattr(mfu_mod, "_measure_matmul_flops", lambda dtype: pytest.fail("measured again"))
+    durations = Measured("durations.json", best=min, gap_s=0.0)
+    samples = iter([3.0, 2.0, 4.0, 9.0, 1.5, 9.0])
+    assert durations.figure("k", lambda: next(samples)) == 2.0
+    assert durations.figure("k", lambda: pytest.fail("measured again")) == 2.0  # cached
+    assert durations.figure("k", lambda: next(samples), plausible=lambda f: f < 2.0) == 1.5
+    assert durations.add("k", 5.0) == 1.5  # a slower sample is load: it changes nothing
+    assert json.loads((tmp_path / "durations.json").read_text()) == {"k": 1.5}
+    (tmp_path / "durations.json").write_text('{"k": -1, "j": "x", "i": true}')  # damaged
+    assert durations.read() == {}
+    assert durations.figure("k", lambda: 0.0) is None  # no usable sample: nothing kept
+    assert durations.add("k", 0.5) == 0.5
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("remeasured", [150e9, 50e9])
+def test_more_threads_are_never_slower_than_fewer(tmp_path, monkeypatch, two_threads, remeasured) -> None:
+    """The cache of the issue: 2 threads measured at 62.9 GFLOP/s while busy, 1 thread at 99.9.
+    The 2-thread figure is implausible, so it is measured again: a higher figure replaces it;
+    one still below 99.9 (the machine still busy) leaves 99.9 standing, kept, so that the next
+    start measures nothing."""
+    taken = fake_peak_samples(tmp_path, monkeypatch, {torch.float32: [remeasured]})
     one, two = mfu_mod._cpu_key(1, "fp32"), mfu_mod._cpu_key(2, "fp32")
     (tmp_path / "cpu_peak_flops.json").write_text(json.dumps({one: 99.9e9, two: 62.9e9}))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert mfu_mod.cpu_matmul_flops("fp32") == 99.9e9
-        assert "99.9 GFLOP/s fp32" in mfu_mod.device_peak_flops("cpu", "fp32")[1]
-    finally:
-        torch.set_num_threads(threads)
+    expected = max(remeasured, 99.9e9)
+    assert mfu_mod.cpu_matmul_flops("fp32") == expected and len(taken) == 3
+    assert json.loads((tmp_path / "cpu_peak_flops.json").read_text()) == {one: 99.9e9, two: expected}
+    assert f"{expected / 1e9:.1f} GFLOP/s fp32" in mfu_mod.device_peak_flops("cpu", "fp32")[1]
+    assert len(taken) == 3  # plausible now: read, not measured
 
 
 # A trial process on a fresh node: it waits on stdin, so that two start measuring at once.
@@ -407,7 +444,7 @@ def test_processes_starting_together_measure_the_cpu_peak_once(tmp_path) -> None
         child.stdin.flush()
     outputs = [child.communicate(timeout=120)[0].split() for child in children]
     assert [child.returncode for child in children] == [0, 0]
-    assert sum(out.count("measuring") for out in outputs) == mfu_mod.SAMPLES, outputs  # one process
+    assert sum(out.count("measuring") for out in outputs) == mfu_mod.PEAKS.samples, outputs  # one process
     peaks = {float(out[-1]) for out in outputs}
     assert len(peaks) == 1 and peaks == set(
         json.loads((tmp_path / "cpu_peak_flops.json").read_text()).values()
@@ -451,3 +488,30 @@ def test_slow_matmul_warm_up_stops_early(monkeypatch: pytest.MonkeyPatch) -> Non
     rate = mfu_mod._measure_matmul_flops(n=64, seconds=1.0, dtype=torch.bfloat16)
     assert rate == pytest.approx(2 * 64**3 / 0.3)
     assert mms == [torch.bfloat16, torch.bfloat16]  # 1 warm-up + 1 timed, not 3 + 1
+
+
+def test_a_matmul_longer_than_the_budget_is_the_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 emulated: one 64 x 64 matmul takes 2 s of a 1 s budget, and is the only one run."""
+    from types import SimpleNamespace
+
+    mms = []
+    monkeypatch.setattr(mfu_mod.torch, "mm", lambda a, b, out: mms.append(a.dtype))
+    ticks = iter([0.0, 2.0])
+    monkeypatch.setattr(mfu_mod, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    assert mfu_mod._measure_matmul_flops(n=64, seconds=1.0, dtype=torch.bfloat16) == 2 * 64**3 / 2.0
+    assert mms == [torch.bfloat16]
+
+
+def test_a_slow_measurement_is_sampled_once(tmp_path, monkeypatch) -> None:
+    """No sample is begun after the figure's time budget: a measurement that takes longer than
+    it (an emulated bf16 matmul) is taken once, not three times."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path))
+    clock = iter([0.0, 1.0, 2.0, 10.0, 17.0])  # the start, then before each later sample
+    fake_time = SimpleNamespace(monotonic=lambda: next(clock), sleep=lambda _s: None)
+    monkeypatch.setattr(measured_mod, "time", fake_time)
+    rates = Measured("rates.json", best=max, budget_s=5.0)
+    samples = iter([1.0, 3.0, 2.0, 7.0])
+    assert rates.figure("fast", lambda: next(samples)) == 3.0  # 3 samples within 2 s
+    assert rates.figure("slow", lambda: next(samples)) == 7.0  # 7 s for one: no second

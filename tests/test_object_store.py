@@ -137,6 +137,43 @@ def test_gs_without_google_credentials_is_one_line_and_exits(tiny_data, tmp_path
     assert not (tmp_path / "cache" / "remote").exists()
 
 
+def test_gs_whose_metadata_server_never_answers_exits_within_the_bound(tmp_path):
+    """Off Google Cloud, where the metadata server's address swallows connections (a firewall
+    that drops packets), GCS's retry limit does not bound the credential lookup: the outer bound
+    ends the wait, and the probe thread, still inside pyarrow, must not hold the exit (an
+    executor's thread is joined at exit: the process never ended)."""
+    from experiments.remote import CHECK_TIMEOUT_S
+
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as dark:  # connects, never answers
+        env = {
+            "HOME": str(tmp_path),
+            "GOOGLE_APPLICATION_CREDENTIALS": "",
+            "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"),
+            "GCE_METADATA_ROOT": f"127.0.0.1:{dark.getsockname()[1]}",
+            "GPTRUN_CACHE_DIR": str(tmp_path / "cache"),
+        }
+        start = time.monotonic()
+        proc = run_cli("report", "gs://gptrun-dark-metadata/sweeps/x", env=env, timeout=CHECK_TIMEOUT_S + 30)
+    assert_user_error(proc, f"did not answer within {CHECK_TIMEOUT_S:g}s", "GOOGLE_APPLICATION_CREDENTIALS")
+    assert "AWS_ENDPOINT_URL" not in proc.stderr and time.monotonic() - start < CHECK_TIMEOUT_S + 20
+
+
+@pytest.mark.parametrize("command", ["sweep", "report"])
+def test_a_scheme_other_than_s3_or_gs_is_one_line(tiny_data, tmp_path, command):
+    """pyarrow opens more schemes than gptrun is tested with; its Azure client, finding no
+    credentials, aborted the process (exit 134, no error to catch)."""
+    env = {"HOME": str(tmp_path), "GPTRUN_CACHE_DIR": str(tmp_path / "cache")}
+    where = "abfs://sweeps@account.dfs.core.windows.net/sweeps"
+    if command == "sweep":
+        config = write_sweep_config(tiny_data, tmp_path / "cfg", n=2, max_steps=8)
+        args = ["sweep", str(config), "--storage", where]
+    else:
+        args = [command, f"{where}/x"]
+    proc = run_cli(*args, env=env, timeout=120)
+    assert_user_error(proc, "s3:// or gs://", "not abfs://")
+    assert not (tmp_path / "cache").exists()
+
+
 def saved_states(env: dict[str, str], prefix: str) -> list[str]:
     """The texts of Tune's experiment states under `prefix` (what a resume reads)."""
     client = s3_client(env)
@@ -284,3 +321,69 @@ def test_events_are_uploaded_in_batches_and_a_failed_upload_ends_nothing(s3, tmp
     remote.upload_soon(folder, EVENTS_FILE, now=True)
     assert "warning: events.jsonl not uploaded" in capsys.readouterr().out
     assert len((folder / EVENTS_FILE).read_text().splitlines()) == 21
+
+
+def test_an_endpoint_that_stops_answering_holds_the_sweep_within_bounds(s3, tmp_path, monkeypatch, capsys):
+    """Events are appended from Tune's callbacks, on the driver's loop. With the endpoint taking
+    connections but never answering, an upload gives up within its own bounds (it held each
+    event for 99 s), says so once, and the events after it wait for the next try instead of each
+    trying again; the next flush once the store answers uploads every line."""
+    from experiments import remote
+    from experiments.experiment import EVENTS_FILE, append_event
+
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)
+    uri = f"s3://{BUCKET}/dark/exp"
+    folder = remote.open_working_copy(uri, pull=False)
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as dark:  # connects, never answers
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{dark.getsockname()[1]}")
+        start = time.monotonic()
+        for i in range(10):
+            append_event(folder, {"event": "start", "trial_id": str(i), "unix": 0.0})
+        took = time.monotonic() - start
+    assert took < 3 * remote.BOUNDED_TIMEOUT_S * remote.BOUNDED_ATTEMPTS, took
+    assert capsys.readouterr().out.count("warning: events.jsonl not uploaded") == 1
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3["AWS_ENDPOINT_URL"])
+    remote.upload_soon(folder, EVENTS_FILE, now=True)  # the sweep's end
+    assert len(remote.read_text(f"{uri}/{EVENTS_FILE}").splitlines()) == 10
+
+
+def test_of_sweeps_claiming_one_name_at_once_at_most_one_goes_on(s3, tiny_data, tmp_path, monkeypatch):
+    """A name in object storage is claimed with an object of one's own, then a listing: of eight
+    sweeps claiming one name at the same moment at most one goes on (a second look at the name
+    let all eight on), the others leave nothing that takes the name, and once taken it is
+    refused."""
+    import threading
+
+    from experiments import remote
+    from experiments.sweep import claim_name, plan_sweep
+    from gptcore.errors import UserError
+
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)
+    config = write_sweep_config(tiny_data, tmp_path, n=2, max_steps=4)
+    plan = plan_sweep(
+        str(config), [], name="same", storage=f"s3://{BUCKET}/claims", restart=False, address="x"
+    )
+    start, won = threading.Barrier(8), []
+
+    def claim() -> None:
+        start.wait()
+        try:
+            claim_name(plan)
+            won.append(True)
+        except UserError:
+            won.append(False)
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(won) == 8 and won.count(True) <= 1, won
+    claims = [k for k in keys(s3, "claims/same/") if remote.CLAIM_PREFIX in k]
+    assert len(claims) == won.count(True) and remote.exists(plan.uri) is any(won)
+    if not any(won):  # all eight gave way: the name is still free
+        claim_name(plan)
+    with pytest.raises(UserError, match="was created while this sweep waited"):
+        claim_name(plan)

@@ -94,6 +94,21 @@ def test_an_error_is_fail_while_divergence_is_scored(tmp_path: Path):
     assert all(records[t].config == {"x": pytest.approx(records[t].config["x"])} for t in "abc")
 
 
+def test_a_trial_whose_process_died_on_every_try_is_fail_with_a_reason(tmp_path: Path):
+    """The trial function reports every error it can catch (FAIL with its reason); Tune tells
+    the searcher an error only once its retries (max_failures) are spent on a process that died
+    (a lost node, a kill for memory), with no result: that end is FAIL too, keeping the trial's
+    last report and saying what happened, not an empty record."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    search = searcher(url)
+    search.suggest("a")
+    search.on_trial_result("a", {"val_loss": 4.0, "tokens": 20.0, "step": 2.0})
+    search.on_trial_complete("a", None, error=True)
+    record = read_records(url, "s")["a"]
+    assert (record.state, record.status, record.final["tokens"]) == ("FAIL", "error", 20.0)
+    assert "each try" in record.final["reason"] and "error.txt" in record.final["reason"]
+
+
 def test_a_resume_reconciles_the_saved_searcher_to_the_study(tmp_path: Path):
     """Tune's saved searcher is as old as its last snapshot. A trial the study saw end is not told
     again; a trial asked after the snapshot (Tune never saved it) goes to the next new Tune

@@ -3,13 +3,16 @@ the shipped configs, and what TPE puts in a trial's config."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
 from experiments.budget import asha_rungs, expected_tokens
+from experiments.cli import build_parser, finite
 from experiments.config import load_experiment
 from experiments.space import parse_space
+from gptcore.errors import UserError
 from tests.conftest import assert_user_error, run_cli, write_sweep_config
 
 CONFIGS = Path(__file__).parent.parent / "experiments" / "configs"
@@ -80,3 +83,19 @@ def test_the_mup_target_is_its_proxy_made_wider() -> None:
     assert proxy.model.mup_base_width == target.model.mup_base_width == proxy.model.d_model
     assert target.model.d_model == 4 * proxy.model.d_model and target.model.n_layer == proxy.model.n_layer
     assert target.model.d_model // target.model.n_head == proxy.model.d_model // proxy.model.n_head
+
+
+def test_every_float_option_and_the_budget_refuse_inf_and_nan():
+    """float() takes 'inf' and 'nan', and they pass an option's own range check ('nan < 0' is
+    false): `plan --cpus nan` was a traceback, `--tokens-per-sec inf` a plan of no time at all."""
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    typed = [(sub.prog, a.type) for sub in subcommands.choices.values() for a in sub._actions if a.type]
+    assert [prog for prog, kind in typed if kind is float] == []
+    assert sum(kind is finite for _, kind in typed) >= 10
+    config = str(CONFIGS / "quickstart.toml")
+    proc = run_cli("plan", config, "--cpus", "nan")
+    assert_user_error(proc, "argument --cpus: nan must be a finite number")
+    proc = run_cli("plan", config, "--tokens-per-sec", "inf")
+    assert_user_error(proc, "argument --tokens-per-sec: inf must be a finite number", "gptrun plan --help")
+    with pytest.raises(UserError, match="must be a positive, finite duration"):
+        load_experiment(config, [f'sweep.budget="{"9" * 400}h"'])

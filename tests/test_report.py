@@ -21,13 +21,15 @@ import pyarrow.parquet as pq
 import pytest
 from matplotlib.image import imread
 
+from experiments.cli import main
 from experiments.config import load_experiment
+from experiments.experiment import start_experiment
 from experiments.outcome import best_trial
 from experiments.report.common import CommonBudget, analysis_study, common_budget
 from experiments.report.data import trial_rows
 from experiments.report.importance import MIN_TRIALS, importances, too_few
 from experiments.report.interactive import parallel_figure
-from experiments.report.page import baseline_note, report_page
+from experiments.report.page import report_page
 from experiments.results import print_table
 from experiments.space import apply_overrides, parse_space
 from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
@@ -265,10 +267,12 @@ class Page(HTMLParser):
         self.refs: list[tuple[str, str]] = []  # (tag, src or href)
         self.ids: set[str] = set()
         self.scripts: list[str] = []
+        self.tags: list[tuple[str, dict[str, str | None]]] = []  # every element, with its attributes
         self.feed(html)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attr = dict(attrs)
+        self.tags.append((tag, attr))
         self.refs += [(tag, attr[k] or "") for k in ("src", "href") if k in attr]
         if "id" in attr:
             self.ids.add(attr["id"] or "")
@@ -306,6 +310,7 @@ def test_page_from_made_up_trials(tmp_path: Path) -> None:
     trials[-1]["status"], trials[-1]["val_loss"] = "diverged", math.nan
     for t in trials:
         t["path"] = str(tmp_path / "demo" / f"trial_{t['trial_id']}")
+        t["checkpoint"] = f"{t['path']}/checkpoint_000003"
         Path(t["path"]).mkdir(parents=True)
     out = tmp_path / "demo" / "report"
     out.mkdir()
@@ -340,16 +345,41 @@ def test_page_from_made_up_trials(tmp_path: Path) -> None:
     assert f"<td>{fmt_sci(trials[0]['config']['optim.lr'])}</td>" in html and "<td>307k</td>" in html
     assert f"<a href='../trial_{trials[0]['trial_id']}/'>{trials[0]['trial_id']}</a>" in html
     assert "title='stopped by ASHA at a rung" in html and "Best trial <b>" in html
+    # A checkpoint shows its folder's name in a block cut to the column's width (a cell's own
+    # max-width is undefined in CSS), all of its path on hover.
+    checkpoint = trials[0]["checkpoint"]
+    assert f"<td class='path' title='{checkpoint}'><div>checkpoint_000003</div></td>" in html
+    assert "td.path div{max-width:16em;overflow:hidden;text-overflow:ellipsis}" in html
     assert ranked.note in html
 
 
-def test_config_strings_on_the_page_are_escaped() -> None:
-    """A searched string value (here a data folder named like markup) is text, not HTML."""
-    name = "<script>alert(1)</script>"
+MARKUP = "<script>alert(1)</script><img src=x onerror=alert(2)>'\" onmouseover='alert(3)"
+
+
+def test_every_string_on_the_page_is_escaped(tmp_path: Path) -> None:
+    """Markup in whatever a sweep's files hold (a config value, the sweep's name, a trial's
+    reason, checkpoint path and node) is text on the page: the only scripts are plotly.js and the
+    plots', and no element gets an event handler."""
     cfg = load_experiment(QUICKSTART)
-    cfg = apply_overrides(cfg, {"data.dir": name, "sweep.space": {"data.dir": {"choice": [name, "x"]}}})
-    html = baseline_note(cfg, parse_space(cfg), [])
-    assert "<script>" not in html and "dir=&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    cfg = apply_overrides(cfg, {"data.dir": MARKUP, "sweep.space": {"data.dir": {"choice": [MARKUP, "x"]}}})
+    space = parse_space(cfg)
+    trials, curves = _made_up_sweep(8)
+    for t in trials:
+        t["config"]["data.dir"] = MARKUP
+        t.update(reason=MARKUP, node_id=MARKUP, checkpoint=f"/sweeps/{MARKUP}")
+    exp_dir = tmp_path / "<b onmouseover=alert(4)>"
+    common = common_budget(trials, curves)
+    rows = trial_rows(trials, common)
+    study = analysis_study(common, trials, space)
+    ranked = importances(study, resamples=20)
+    html = report_page(
+        exp_dir, tmp_path, cfg, space, trials, rows, curves, common, study, ranked, best_trial(trials), None
+    )
+    page = Page(html)
+    plots = re.findall(r"Plotly\.newPlot\(", html)
+    assert [tag for tag, _ in page.tags].count("script") == 1 + len(plots) and plots
+    assert not [(tag, a) for tag, attrs in page.tags for a in attrs if a.startswith("on")]
+    assert "dir=&lt;script&gt;alert(1)&lt;/script&gt;" in html  # the baseline config, as text
 
 
 def test_page_says_why_plots_are_missing(tmp_path: Path) -> None:
@@ -432,8 +462,7 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
         assert base64.b64encode((out / name).read_bytes()).decode() in page, name
     assert "<a href='curves.png'>" not in page
     checkpoint = rows[0]["checkpoint"]  # cut to its column's width (CSS), the full path on hover
-    assert f"<td class='path' title='{checkpoint}'>{Path(checkpoint).name}</td>" in page
-    assert "td.path{max-width:16em;overflow:hidden;text-overflow:ellipsis" in page
+    assert f"<td class='path' title='{checkpoint}'><div>{Path(checkpoint).name}</div></td>" in page
     for r in rows:  # each trial links to its own folder
         assert (
             f"/{finished_sweep.name}/{_trial_dir(finished_sweep, r['trial_id'])}/'>{r['trial_id']}</a>"
@@ -592,8 +621,67 @@ def test_report_on_a_damaged_sweep_is_one_line(finished_sweep: Path, tmp_path: P
     else:
         state = sorted(copy.glob("experiment_state-*.json"))[-1]
         state.write_text(state.read_text()[:200])
-        needle = "Tune's saved state in"
+        needle = f"Tune's saved state {state} is damaged"
     assert_user_error(run_cli("report", str(copy), "--out", str(tmp_path / "r")), needle, "--restart")
+    assert not (tmp_path / "r").exists()
+
+
+STATE = "experiment_state-2026-01-01_00-00-00.json"
+
+
+def _empty_sweep(tmp_path: Path) -> Path:
+    """A made-up sweep folder whose Tune state holds no trial yet (report reads it in a second)."""
+    exp_dir = tmp_path / "sweep"
+    start_experiment(exp_dir, load_experiment(QUICKSTART), {"max_concurrent": 1})
+    (exp_dir / STATE).write_text(json.dumps({"trial_data": []}))
+    return exp_dir
+
+
+def test_a_report_folder_that_cannot_be_written_is_one_line_before_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sysfs takes no new folder, not even root's: refused before anything is printed."""
+    assert main(["report", str(_empty_sweep(tmp_path)), "--out", "/sys/gptrun/report"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1 and "--out /sys/gptrun/report is not writable" in err, err
+
+
+TRIAL = {"trial_id": "a1", "status": "TERMINATED", "config": {}, "relative_logdir": "trial_a1"}
+
+
+@pytest.mark.parametrize(
+    "name, text, needle",
+    [
+        (STATE, json.dumps({"trial_data": [[json.dumps(TRIAL), "{}"]]})[:40], "Tune's saved state"),
+        (STATE, json.dumps({"trial_data": [[json.dumps(TRIAL), "[]"]]}), "Tune's saved state"),
+        (STATE, json.dumps({"trial_data": [[json.dumps(TRIAL)]]}), "Tune's saved state"),
+        (STATE, "[]", "Tune's saved state"),
+        ("sweep.json", "{not json", "not a JSON object"),
+        ("sweep.json", '{"max_concurrent": 1}', "trial_tokens is None, not a positive integer"),
+        ("sweep.json", '{"trial_tokens": "2048"}', "trial_tokens is '2048', not a positive integer"),
+        ("noise.json", '{"candidates": [', "gptrun confirm"),
+    ],
+    ids=[
+        "state-cut-short",
+        "state-trial-metadata-not-an-object",
+        "state-trial-metadata-missing",
+        "state-not-an-object",
+        "sweep.json-not-json",
+        "sweep.json-no-budget",
+        "sweep.json-budget-as-text",
+        "noise.json-cut-short",
+    ],
+)
+def test_a_damaged_file_of_a_sweep_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str, needle: str
+) -> None:
+    """Each file `report` reads, cut short or not in the shape gptrun and Tune write, is one line
+    naming it and what to do, exit 2, and no report file is written (a made-up sweep folder)."""
+    exp_dir = _empty_sweep(tmp_path)
+    (exp_dir / name).write_text(text)
+    assert main(["report", str(exp_dir), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{exp_dir / name} is damaged" in err and needle in err, err
     assert not (tmp_path / "r").exists()
 
 

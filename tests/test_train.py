@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import math
@@ -18,7 +19,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from gptcore import atomic, train
+from gptcore import atomic, measured, train
 from gptcore import mfu as mfu_mod
 from gptcore.checkpoint import TRAILER_BYTES, load_checkpoint, save_checkpoint
 from gptcore.config import load_config, run_budget
@@ -174,10 +175,12 @@ def fake_cpu_matmul(monkeypatch, tmp_path, bf16_speedup: float) -> list[torch.dt
     """A fresh cache folder and a fake matmul measurement: fp32 100 GFLOP/s, bf16 `bf16_speedup`
     times that. Returns the dtypes measured (nothing is timed)."""
     monkeypatch.setenv("GPTRUN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(mfu_mod, "_measured", {})
+    monkeypatch.setattr(mfu_mod, "PEAKS", dataclasses.replace(mfu_mod.PEAKS, gap_s=0.0))
     measured: list[torch.dtype] = []
     rates = {torch.float32: 1e11, torch.bfloat16: bf16_speedup * 1e11}
-    monkeypatch.setattr(mfu_mod, "_sample_peak", lambda dtype: measured.append(dtype) or rates[dtype])
+    monkeypatch.setattr(
+        mfu_mod, "_measure_matmul_flops", lambda dtype: measured.append(dtype) or rates[dtype]
+    )
     return measured
 
 
@@ -191,7 +194,7 @@ def test_an_mfu_over_100_percent_remeasures_the_peak_or_says_n_a(
     (tmp_path / "cache").mkdir()
     key = mfu_mod._cpu_key(torch.get_num_threads(), "fp32")
     (tmp_path / "cache" / "cpu_peak_flops.json").write_text(json.dumps({key: 1e6}))
-    monkeypatch.setattr(mfu_mod, "_sample_peak", lambda dtype: remeasured)
+    monkeypatch.setattr(mfu_mod, "_measure_matmul_flops", lambda dtype: remeasured)
     logs: list[str] = []
     trainer = Trainer(make_config(tiny_data, tmp_path, "train.precision=fp32"), log=logs.append)
     trainer.fit()
@@ -222,14 +225,13 @@ def test_auto_precision_on_cpu_follows_the_measured_bf16_speedup(
     logs: list[str] = []
     trainer = Trainer(make_config(tiny_data, tmp_path, "train.precision=auto"), log=logs.append)
     assert (trainer.precision, trainer.precision_reason) == (precision, reason)
-    assert sorted(measured, key=str) == [torch.bfloat16, torch.float32]  # each measured once
+    assert sorted(measured, key=str) == [torch.bfloat16] * 3 + [torch.float32] * 3  # once each
     # MFU is against the peak of the precision chosen.
     assert trainer.peak_flops == (speedup * 1e11 if precision == "bf16" else 1e11)
-    assert f"{precision} matmul (best of 3 samples" in trainer.peak_source
+    assert f"{precision} matmul (the best sample, cached in" in trainer.peak_source
     trainer.fit(stop_at_step=1)
     assert f"| precision {precision} ({reason}) | MFU peak " in logs[1]  # after the run length
     # Another process on this machine: the cached measurement decides, nothing is measured again.
-    monkeypatch.setattr(mfu_mod, "_measured", {})
     monkeypatch.setattr(mfu_mod, "_measure_matmul_flops", lambda dtype: pytest.fail("measured again"))
     assert train.resolve_precision("auto", torch.device("cpu")) == (precision, reason)
 
@@ -373,6 +375,19 @@ def test_any_changed_byte_is_a_damaged_checkpoint(tiny_data, tmp_path):
         bad.write_bytes(damaged)
         with pytest.raises(UserError, match="damaged checkpoint .*bad.pt"):
             load_checkpoint(bad)
+
+
+def test_a_write_the_filesystem_refuses_is_one_line_naming_it(monkeypatch):
+    """Any output in a place that cannot be written (sysfs takes no new file, not even root's) is
+    a UserError naming it, whichever atomic writer meets it first; the cache of measurements is
+    the exception: a cache that cannot be kept costs a measurement next time, not the run."""
+    with pytest.raises(UserError, match="^/sys/gptrun/f.txt is not writable .*writable filesystem$"):
+        atomic.write_text_atomic("/sys/gptrun/f.txt", "text")
+    with pytest.raises(UserError, match="^/sys/gptrun/d is not writable"), atomic.atomic_dir("/sys/gptrun/d"):
+        pytest.fail("atomic_dir yielded a folder it could not make")
+    monkeypatch.setenv("GPTRUN_CACHE_DIR", "/sys/gptrun")
+    with measured.locked_table("measured.json") as table:
+        table["figure"] = 1.0
 
 
 def test_atomic_writes_are_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):

@@ -260,10 +260,11 @@ def test_an_out_that_cannot_be_written_or_exists_is_refused(mup_sweep, tiny_data
     assert load_experiment(out).model.d_model == 256
 
 
-def test_a_relative_data_dir_is_written_absolute_so_the_config_trains_from_anywhere(
+def test_relative_paths_are_written_absolute_so_the_config_trains_from_anywhere(
     mup_sweep, tiny_data, tmp_path
 ):
-    """The target names its data relative to where transfer runs; the printed command works elsewhere."""
+    """The target names its data, then its starting checkpoint (`train.init_from`), relative to
+    where transfer runs; the printed command works elsewhere, as best.toml's does."""
     relative = os.path.relpath(tiny_data, tmp_path)
     target = target_toml(tiny_data, tmp_path)
     target.write_text(target.read_text().replace(f'dir = "{tiny_data}"', f'dir = "{relative}"'))
@@ -275,3 +276,13 @@ def test_a_relative_data_dir_is_written_absolute_so_the_config_trains_from_anywh
     elsewhere.mkdir()
     train = run_cli("train", str(out), "--local", "--set", "train.max_steps=2", cwd=elsewhere)
     assert train.returncode == 0, train.stderr[-3000:]
+
+    text = target.read_text().replace(f'out = "{tmp_path / "run"}"', f'out = "{tmp_path / "tuned"}"')
+    target.write_text(text.replace("[train]\n", '[train]\ninit_from = "run/checkpoints/last.pt"\n'))
+    tuned = tmp_path / "tuned.toml"
+    proc = run_cli("transfer", str(mup_sweep), "--to", str(target), "--out", str(tuned), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_experiment(tuned).train.init_from == str(tmp_path / "run" / "checkpoints" / "last.pt")
+    train = run_cli("train", str(tuned), "--local", "--set", "train.max_steps=2", cwd=elsewhere)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert "weights from" in train.stdout + train.stderr

@@ -228,3 +228,16 @@ def test_a_good_source_is_read_without_writing_to_it(tiny_data, tmp_path):
     cfg = apply_overrides(base, {"sweep.warm_start": "old"})
     assert len(load_history(cfg, parse_space(cfg), tmp_path / "sweeps").trials) == 3
     assert db.read_bytes() == before
+
+
+def test_a_source_whose_path_holds_uri_characters_is_read_only_too(tiny_data, tmp_path):
+    """The read-only sqlite URI is percent-encoded: spliced in raw, `#` cut the path short at
+    `tmp_path/a`, where sqlite created an empty database (read-write: `mode=ro` was cut too)."""
+    storage = tmp_path / "a#b?c%41" / "sweeps"
+    base = sweep_config(tiny_data, tmp_path)
+    source_sweep(base, storage / "old", n=3)
+    before = (storage / "old" / "optuna.db").read_bytes()
+    cfg = apply_overrides(base, {"sweep.warm_start": "old"})
+    assert len(load_history(cfg, parse_space(cfg), storage).trials) == 3
+    assert (storage / "old" / "optuna.db").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a#b?c%41", "sweep.toml"]

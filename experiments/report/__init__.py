@@ -25,6 +25,7 @@ from experiments.space import parse_space
 from experiments.storage import dashboard_command
 from experiments.table import fmt_tokens
 from experiments.warm_start import report_history
+from gptcore.atomic import check_writable_dir
 
 
 def report_cli(experiment_dir: str, out: str | None) -> int:
@@ -32,12 +33,14 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     experiment in object storage, NAME-report in the current folder: the report is local)."""
     exp_dir = open_experiment(experiment_dir)  # a URI: its working copy, after a bucket check
     trials = load_trials(exp_dir)  # UserError for a folder that is not a sweep
+    noise = read_noise(exp_dir)  # every file read before any is written
     figure = figure_factory()  # UserError without matplotlib or plotly, before anything is written
     check_plotly()
     cfg = load_experiment(exp_dir / "gptrun.toml")
     space = parse_space(cfg)
     default = Path(f"{exp_dir.name}-report") if is_uri(experiment_dir) else exp_dir / "report"
     out_dir = Path(out) if out else default
+    check_writable_dir(out_dir, "--out" if out else "the report folder (--out)")  # before the table
     curves = load_curves(exp_dir)
     common = common_budget(trials, curves)
     print_table(trials, space, common)
@@ -69,7 +72,6 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     ranked = importances(study)
     draw_importance(figure, ranked, common, out_dir)
     print(f"importances: {ranked.note or ', '.join(f'{k} {v:.2f}' for k, v in ranked.point.items())}")
-    noise = read_noise(exp_dir)
     (out_dir / "noise.png").unlink(missing_ok=True)  # never leave a stale one behind
     if noise is not None:
         print_noise(noise)

@@ -14,6 +14,7 @@ from experiments.noise import NOISE_FILE
 from experiments.report.common import CommonBudget
 from experiments.results import short_params
 from gptcore.atomic import atomic_file
+from gptcore.errors import UserError
 
 COLUMNS = (
     "tokens",
@@ -82,15 +83,19 @@ def write(path: Path, writer: Callable[[Path], Any]) -> None:
 
 def read_noise(exp_dir: Path) -> dict[str, Any] | None:
     """noise.json as `gptrun confirm` wrote it; None when there is none, or when an older gptrun
-    wrote it with another noise fraction (its re-runs are kept, so confirm recomputes it fast)."""
+    wrote it with another noise fraction (its re-runs are kept, so confirm recomputes it fast);
+    one line when it is damaged (not a JSON object), which confirm recomputes the same way."""
     path = exp_dir / NOISE_FILE
     if not path.exists():
         return None
-    noise = json.loads(path.read_text())
+    redo = "run `gptrun confirm` again with the same --top and --seeds to recompute it from its finished runs"
+    try:
+        noise = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        noise = err
+    if not isinstance(noise, dict):
+        raise UserError(f"{path} is damaged (not a JSON object: {noise}); {redo}")
     if "sweep_std" in noise:
         return noise
-    print(
-        f"note: {path} is from an older gptrun; run `gptrun confirm` again with the same --top "
-        "and --seeds to recompute it from its finished runs"
-    )
+    print(f"note: {path} is from an older gptrun; {redo}")
     return None

@@ -50,7 +50,7 @@ td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}
 th.at,td.at{background:#eef4fb;font-weight:bold} tr.unfinished{background:#ffe9c7;font-style:italic}
 tr.stopped-early,tr.cut-by-budget{color:#555} tr.diverged,tr.refused,tr.error{color:#a00}
 img{max-width:100%} p.note{background:#f6f6f6;padding:.5em 1em;border-left:4px solid #888}
-td.path{max-width:16em;overflow:hidden;text-overflow:ellipsis;text-align:left}"""
+td.path{text-align:left} td.path div{max-width:16em;overflow:hidden;text-overflow:ellipsis}"""
 
 
 def report_page(
@@ -162,7 +162,7 @@ def trial_table(
     keys = [k for k in rows[0] if k != "common_tokens"]
     head = "".join(_header(k, common) for k in keys)
     body = "".join(
-        f"<tr class='{r['status'].replace(' ', '-')}'>"
+        f"<tr class='{escape(r['status'].replace(' ', '-'))}'>"
         + "".join(_cell(k, r[k], sci, paths.get(r["trial_id"], ""), nodes, out_dir) for k in keys)
         + "</tr>"
         for r in rows
@@ -218,8 +218,9 @@ def _cell(key: str, value: Any, sci: set[str], path: str, nodes: dict[str, str],
     if key.endswith("_s") and isinstance(value, float):
         return f"<td>{'-' if math.isnan(value) else f'{value:.3g}s'}</td>"
     if key in ("checkpoint", "reason") and value:  # cut to the column's width; all of it on hover
+        # The width is the inner block's: CSS leaves max-width on a table cell undefined.
         shown = Path(value).name if key == "checkpoint" else value  # the trial is in its own column
-        return f"<td class='path' title='{escape(value)}'>{escape(shown)}</td>"
+        return f"<td class='path' title='{escape(value)}'><div>{escape(shown)}</div></td>"
     if key == "node_id":
         return f"<td title='{escape(value)}'>{escape(nodes.get(value, '-'))}</td>"
     return f"<td>{escape(_text(value))}</td>"
@@ -237,7 +238,7 @@ def warm_start_html(history: list[Any], line: str) -> str:
     rows = "".join(
         f"<tr><td>{escape(str(t.user_attrs[WARM_FROM]))}</td><td>{escape(str(t.user_attrs[WARM_TRIAL]))}"
         f"</td><td>{'completed' if t.state.name == 'COMPLETE' else 'stopped early'}</td>"
-        f"<td>{_text(t.value)}</td><td>{fmt_tokens(max(t.intermediate_values, default=0))}</td>"
+        f"<td>{escape(_text(t.value))}</td><td>{fmt_tokens(max(t.intermediate_values, default=0))}</td>"
         f"<td>{escape(', '.join(f'{k}={_text(v)}' for k, v in short_params(t.params).items()))}</td></tr>"
         for t in sorted(history, key=lambda t: t.value)
     )
@@ -258,8 +259,8 @@ def noise_html(noise: dict[str, Any] | None, exp_dir: Path, out_dir: Path) -> st
         )
     line = noise_line(noise)
     rows = "".join(
-        f"<tr><td>{escape(r['trial_id'])}</td><td>{_text(r['sweep_val_loss'])}</td>"
-        f"<td>{_text(r['mean'])}</td><td>{_text(r['std'])}</td>"
+        f"<tr><td>{escape(r['trial_id'])}</td><td>{escape(_text(r['sweep_val_loss']))}</td>"
+        f"<td>{escape(_text(r['mean']))}</td><td>{escape(_text(r['std']))}</td>"
         f"<td>{len(r['losses'])}</td></tr>"
         for r in noise["candidates"]
     )
