@@ -473,7 +473,10 @@ def item_tier(item: pytest.Function) -> str:
         for name in item.fixturenames
         for definition in item._fixtureinfo.name2fixturedefs.get(name, ())
     ]
-    return tier_of([item.function, *fixtures], [mark.name for mark in item.iter_markers()])
+    tier = tier_of([item.function, *fixtures], [mark.name for mark in item.iter_markers()])
+    if "shared_ray" in item.fixturenames:  # a fixture on the shared Ray (a sweep run for many tests)
+        tier = max(tier, "ray", key=TIERS.index)
+    return tier
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marks

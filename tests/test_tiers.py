@@ -84,3 +84,11 @@ def test_every_collected_test_has_exactly_one_tier(request):
     tiers = {"fast", "train", "ray", "system"}
     for item in request.session.items:
         assert len(tiers & {mark.name for mark in item.iter_markers()}) == 1, item.nodeid
+
+
+def test_a_test_on_a_shared_sweep_is_in_the_ray_tier_at_least(request):
+    """`finished_sweep` builds its command line in a list (`run_cli(*args)`): the code alone
+    did not show a sweep, and its tests ran in `fast`, the sweep in their set-up (64 s). The
+    tests of this session are checked, as above."""
+    for item in (i for i in request.session.items if "finished_sweep" in i.fixturenames):
+        assert item.get_closest_marker("ray") or item.get_closest_marker("system"), item.nodeid
