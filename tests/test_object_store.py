@@ -114,6 +114,7 @@ def test_unreachable_endpoint_is_one_line(s3, tiny_data, tmp_path):
     assert_user_error(proc, "cannot reach the object store")
 
 
+@pytest.mark.slow  # GCS's client waits out its own retries: 11-16 s a command (system tier)
 @pytest.mark.parametrize("command", ["sweep", "report", "resume"])
 def test_gs_without_google_credentials_is_one_line_and_exits(tiny_data, tmp_path, command):
     """Without credentials GCS's client retries for minutes, and a probe thread left running
@@ -137,6 +138,7 @@ def test_gs_without_google_credentials_is_one_line_and_exits(tiny_data, tmp_path
     assert not (tmp_path / "cache" / "remote").exists()
 
 
+@pytest.mark.slow  # waits out the 30 s bound it checks (system tier)
 def test_gs_whose_metadata_server_never_answers_exits_within_the_bound(tmp_path):
     """Off Google Cloud, where the metadata server's address swallows connections (a firewall
     that drops packets), GCS's retry limit does not bound the credential lookup: the outer bound
