@@ -221,7 +221,13 @@ def finish(cfg: RayExperiment, space: Space, exp_dir: Path) -> int:
     print_trial_costs(trials)
     best = best_trial(trials)
     if best is None:
-        print("no trial finished without error; see the reasons above")
+        if trials and all(t["status"] == "cut by budget" and not t["tokens"] for t in trials):
+            print(
+                f"sweep.budget={cfg.sweep.budget} ran out before any trial reported a validation "
+                "loss (Ray's and the trials' start-up count towards it): give the sweep a larger budget"
+            )
+        else:
+            print("no trial finished without error; see the reasons above")
         return 1
     save(exp_dir, BEST_FILE, best_config(cfg, space, best, exp_dir.name).to_toml())
     print(
