@@ -52,17 +52,22 @@ chat-demo: install
 	$(BIN)/gptrun export runs/quickstart-lora/checkpoints/best.pt --hf exports/quickstart-lora --force
 	HF_HUB_OFFLINE=1 $(BIN)/python -c "$$HF_GENERATE" exports/quickstart-lora
 
-# Every test, in one session (CI). The tiers (tests/conftest.py marks each test from what it uses):
+# Every test (CI), in two sessions. The tiers (tests/conftest.py marks each test from what it uses):
 # fast (no training, no Ray: a couple of minutes), train (CPU training), ray (local Ray), system
 # (kill-and-resume, clusters, PostgreSQL, S3, Slurm).
+# The fast and train tiers run on every core (pytest-xdist; no Ray there, nothing shared between
+# tests but read-only fixtures); the ray and system tiers one test at a time on one shared Ray and
+# clusters of their own. PARALLEL= runs the first two serially too.
+PARALLEL ?= -n auto
 test: install test-services
-	$(BIN)/python -m pytest -q --durations=30 tests
+	$(BIN)/python -m pytest -q $(PARALLEL) --durations=20 -m "fast or train" tests
+	$(BIN)/python -m pytest -q --durations=30 -m "ray or system" tests
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m fast tests
+	$(BIN)/python -m pytest -q $(PARALLEL) -m fast tests
 
 test-train: install
-	$(BIN)/python -m pytest -q --durations=10 -m train tests
+	$(BIN)/python -m pytest -q $(PARALLEL) --durations=10 -m train tests
 
 test-ray: install
 	$(BIN)/python -m pytest -q --durations=10 -m ray tests
