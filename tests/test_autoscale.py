@@ -20,12 +20,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, assert_user_error, write_sweep_config
+from tests.conftest import REPO, assert_user_error, local_sh, write_sweep_config
 from tests.test_cluster import (
     LocalCluster,
     assert_down_leaves_no_process,
     exp_trials,
-    local_sh,
     run_clean,
     sweep_args,
     tune_statuses,

@@ -27,16 +27,16 @@ import pytest
 from experiments import cluster
 from gptcore.errors import UserError
 from tests.conftest import (
+    NO_AUTH,
     REPO,
     assert_user_error,
     load_local_module,
+    local_sh,
     tiny_config_text,
     write_sweep_config,
 )
 
-LOCAL_SH = REPO / "cluster" / "local.sh"
 WAIT_S = 20.0  # GPTRUN_RESOURCE_WAIT_S given to the CLI in these tests (the default)
-NO_AUTH = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
 
 
 def free_port() -> int:
@@ -215,25 +215,6 @@ def test_check_storage_rejects_files_on_the_way(tmp_path):
 
 
 # ------------------------------------------------------------------ slow: a real 2-node cluster
-
-
-def local_sh(*args: str, state: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in NO_AUTH}
-    # Node loss noticed in ~3 s instead of ~15-30 s (GCS health checks every 1 s, 3 misses).
-    env.update(
-        GPTRUN_PYTHON=sys.executable,
-        RAY_health_check_period_ms="1000",
-        RAY_health_check_failure_threshold="3",
-        RAY_health_check_initial_delay_ms="1000",
-    )
-    return subprocess.run(
-        [str(LOCAL_SH), *args, "--dir", str(state)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
 
 
 class LocalCluster:
