@@ -417,12 +417,10 @@ def gcs_nodes(state: dict[str, Any], timeout: float = 10.0) -> list[dict[str, An
         raise ClusterError(f"nothing listens at {state['address']}: the head is down")
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=state["token_path"])
     os.environ.pop("RAY_AUTH_TOKEN", None)
-    from ray._raylet import GcsClient  # private: checked against Ray 2.60.0 (get_all_node_info)
+    from experiments.private_ray import gcs_node_infos
 
-    client = GcsClient(address=state["address"])
-    infos = client.get_all_node_info(timeout=timeout)
     nodes = []
-    for info in infos.values():
+    for info in gcs_node_infos(state["address"], timeout):
         nodes.append(
             {
                 "node_id": info.node_id.hex(),

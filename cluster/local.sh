@@ -37,8 +37,8 @@ if [[ -z "$python" ]]; then
         python="$(command -v python3 || true)"
     fi
 fi
-if [[ -z "$python" ]] || ! "$python" -c "import ray" 2>/dev/null; then
-    echo "cluster/local.sh: no Python with ray found (set GPTRUN_PYTHON or run make install)" >&2
+if [[ -z "$python" ]] || ! "$python" -c "import ray, experiments" 2>/dev/null; then
+    echo "cluster/local.sh: no Python with ray and gptrun found (set GPTRUN_PYTHON or run make install)" >&2
     exit 2
 fi
 exec "$python" "$here/local.py" "$@"

@@ -28,10 +28,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from experiments.cluster import autoscale_wait_s, cluster_size, require_resources
+from experiments.private_ray import (
+    autoscaler_report,
+    autoscaler_v2_on,
+    head_resource,
+    monitor_autoscaling_config,
+    reported_cluster_config,
+)
 from gptcore.errors import UserError
 
 Bundle = dict[str, float]  # {"CPU": c, "GPU": g}, as Ray's resource requests spell them
-HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource that only the head node has
 UNBOUNDED_NODES = 1024  # what a node type without max count (-1) stands for in the packing
 
 
@@ -132,7 +138,7 @@ def autoscaler_growth() -> Growth | None:
     what did not come."""
     import ray
 
-    config = _reported_cluster_config()
+    config = reported_cluster_config()
     if config is not None and config.node_group_configs:
         kinds = tuple(
             NodeType(g.name, float(g.resources.get("CPU", 0)), float(g.resources.get("GPU", 0)), g.max_count)
@@ -142,7 +148,7 @@ def autoscaler_growth() -> Growth | None:
     if not _autoscaler_runs():
         return None
     port = ray.get_runtime_context().gcs_address.rpartition(":")[2]
-    reader = ray.remote(num_cpus=0, resources={HEAD_RESOURCE: 0.001}, max_retries=0)(_monitor_config)
+    reader = ray.remote(num_cpus=0, resources={head_resource(): 0.001}, max_retries=0)(_monitor_config)
     try:
         raw = ray.get(reader.remote(port), timeout=60)
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
@@ -152,36 +158,15 @@ def autoscaler_growth() -> Growth | None:
     return growth_from_config(json.loads(raw))
 
 
-def _reported_cluster_config() -> object | None:
-    """The GCS's autoscaler cluster config, None when no autoscaler reported one. Private API,
-    checked against Ray 2.60 (`ray._private.state.state.get_cluster_config`)."""
-    from ray._private.state import state
-
-    try:
-        return state.get_cluster_config()
-    except Exception:  # an older GCS without the autoscaler state service
-        return None
-
-
 def _autoscaler_runs() -> bool:
     """Whether an autoscaler that can add nodes serves this cluster: the v1 monitor's status in
     the GCS's KV store (the key `ray status` reads) names a configured node type, not only the
-    read-only provider's `node_<id>` mirrors of the nodes there; or autoscaler v2 is on. Private
-    API, checked against Ray 2.60 (`ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS`,
-    `ray.experimental.internal_kv`, the monitor's `autoscaler_report`)."""
-    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
-    from ray.autoscaler.v2.utils import is_autoscaler_v2
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    try:
-        raw = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
-        if raw:
-            report = json.loads(raw).get("autoscaler_report") or {}
-            kinds = {*(report.get("node_type_mapping") or {}).values(), *(report.get("active_nodes") or {})}
-            return any(not kind.startswith("node_") for kind in kinds)
-        return is_autoscaler_v2()
-    except Exception:  # a GCS without these keys: a static cluster as far as we can tell
-        return False
+    read-only provider's `node_<id>` mirrors of the nodes there; or autoscaler v2 is on."""
+    report = autoscaler_report()
+    if report is None:
+        return autoscaler_v2_on()
+    kinds = {*(report.get("node_type_mapping") or {}).values(), *(report.get("active_nodes") or {})}
+    return any(not kind.startswith("node_") for kind in kinds)
 
 
 def growth_from_config(config: dict) -> Growth:
@@ -207,7 +192,7 @@ def _head_resources() -> tuple[float, float]:
 
     for node in ray.nodes():
         res = node.get("Resources", {})
-        if node.get("Alive") and HEAD_RESOURCE in res:
+        if node.get("Alive") and head_resource() in res:
             return float(res.get("CPU", 0)), float(res.get("GPU", 0))
     return 0.0, 0.0
 
@@ -227,9 +212,8 @@ def _monitor_config(gcs_port: str) -> str | None:
             args = Path(entry.path, "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        config = next((a.split("=", 1)[1] for a in args if a.startswith("--autoscaling-config=")), None)
-        serves = any(a.startswith("--gcs-address=") and a.endswith(f":{gcs_port}") for a in args)
-        if config and serves:  # a relative path is the monitor's: from its working folder
+        config = monitor_autoscaling_config(args, gcs_port)
+        if config:  # a relative path is the monitor's: from its working folder
             path = Path(entry.path, "cwd", os.path.expanduser(config))
             try:
                 return json.dumps(yaml.safe_load(path.read_text()))
@@ -318,7 +302,7 @@ def wait_for_first_trial(trial: list[Bundle], nodes: dict[str, int], what: str) 
 def _alive_workers() -> int:
     import ray
 
-    return sum(1 for n in ray.nodes() if n.get("Alive") and HEAD_RESOURCE not in n.get("Resources", {}))
+    return sum(1 for n in ray.nodes() if n.get("Alive") and head_resource() not in n.get("Resources", {}))
 
 
 @contextlib.contextmanager

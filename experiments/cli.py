@@ -33,6 +33,7 @@ examples:
   gptrun confirm sweeps/demo --top 3 --seeds 3
   gptrun report sweeps/demo
   gptrun transfer sweeps/proxy --to target.toml
+  gptrun doctor --address auto
 """
 
 
@@ -532,6 +533,25 @@ def _transfer(args: argparse.Namespace) -> int:
 
 
 # Each subcommand's options, next to its handler, in the order `gptrun --help` lists them.
+def _doctor_command(sub: Subcommands) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check this installation (and a cluster): versions, private names, bf16, compile",
+        description="Print the versions of gptrun, torch, Ray and Optuna, check every private "
+        "name of theirs that gptrun relies on, and probe what train.precision = auto and "
+        "train.compile meet here. With --address (or $RAY_ADDRESS) every alive node of the "
+        "cluster is checked too. One line per problem; exit status 1 if there is any.",
+    )
+    p.add_argument("--address", default=None, help="a Ray cluster to check too: 'auto' or 'host:port'")
+    p.set_defaults(handler=_doctor)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from experiments.doctor import run_doctor
+
+    return run_doctor(args.address)
+
+
 COMMANDS: tuple[Callable[[Subcommands], None], ...] = (
     _prepare_command,
     _train_command,
@@ -543,6 +563,7 @@ COMMANDS: tuple[Callable[[Subcommands], None], ...] = (
     _confirm_command,
     _report_command,
     _transfer_command,
+    _doctor_command,
 )
 
 

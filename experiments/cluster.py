@@ -20,7 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from experiments.private_api import reload_ray_auth, submitted_job_env_vars
+from experiments.private_ray import (
+    reload_ray_auth,
+    resolve_auto_address,
+    submitted_job_env_vars,
+    token_header,
+)
 from gptcore.errors import UserError
 
 PROBE_TIMEOUT_S = 10.0  # the gRPC probe's own cap (RESOURCE_WAIT_S bounds it further)
@@ -261,21 +266,8 @@ _NOT_RAY = {"UNAVAILABLE", "UNIMPLEMENTED", "DEADLINE_EXCEEDED", "INTERNAL", "UN
 
 
 def _resolve_auto() -> str:
-    # Private Ray (checked against Ray 2.60.0): ray._private.services and
-    # ray._private.authentication.authentication_token_setup, as `ray.init(address="auto")` uses them.
-    from ray._private.services import canonicalize_bootstrap_address_or_die
-
     try:
-        # Only a cluster found automatically turns token auth on by itself (as ray.init does).
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-    except ImportError:  # a Ray without token authentication
-        pass
-    try:
-        return canonicalize_bootstrap_address_or_die("auto")
+        return resolve_auto_address()
     except ConnectionError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "no cluster found"
         raise UserError(f"--address auto: {first}") from None
@@ -290,19 +282,10 @@ def _split_address(address: str) -> tuple[str, int]:
 
 
 def _auth_metadata() -> tuple[tuple[str, str], ...]:
-    """The authorization header `ray.init` will send: Ray's own token loader, which honours
-    RAY_AUTH_MODE, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH and ~/.ray/auth_token in Ray's order.
-    Private Ray: `ray._raylet`'s token loader, checked against Ray 2.60.0."""
-    try:
-        from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
-    except ImportError:  # a Ray without token authentication
-        return ()
-    loader = AuthenticationTokenLoader.instance()
-    try:
-        has_token = loader.has_token()
-    except Exception:  # Ray raises AuthenticationError when the mode is token and none is found
-        has_token = False
-    if not has_token and get_authentication_mode() == AuthenticationMode.TOKEN:
+    """The authorization header `ray.init` will send (`private_ray.token_header`); one line
+    when RAY_AUTH_MODE=token asks for a token that is not there."""
+    header, wanted = token_header()
+    if header is None and wanted:
         path = os.environ.get("RAY_AUTH_TOKEN_PATH")
         where = (
             f"RAY_AUTH_TOKEN_PATH={path} is missing or empty"
@@ -310,9 +293,7 @@ def _auth_metadata() -> tuple[tuple[str, str], ...]:
             else "no RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
         )
         raise UserError(f"RAY_AUTH_MODE=token is set but there is no token ({where}); " + TOKEN_HINT)
-    if not has_token:
-        return ()
-    return tuple(loader.get_token_for_http_header().items())
+    return tuple((header or {}).items())
 
 
 TLS_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
@@ -471,13 +452,13 @@ def verify_shared_storage(storage: str, timeout: float | None = None) -> None:
     marker = folder / f".gptrun-shared-check-{nonce}"
     marker.write_text(nonce)
     try:
-        answers, pending = _ask_each_node(_read_marker, str(marker), nodes, timeout)
+        answers, pending = ask_each_node(_read_marker, str(marker), nodes, timeout)
     finally:
         marker.unlink(missing_ok=True)
     blind = [node for node, seen in answers if seen != nonce]
     if blind:
         raise UserError(
-            f"--storage {storage} is not shared: node(s) {_node_names(blind)} do not see it; use "
+            f"--storage {storage} is not shared: node(s) {node_names(blind)} do not see it; use "
             "a folder every node mounts at the same path (NFS) or an s3:// / gs:// "
             "URI (`gptrun train`)"
         )
@@ -502,20 +483,20 @@ def verify_trial_nodes(data_dir: str, timeout: float | None = None) -> None:
     if all(n["NodeID"] == here for n in nodes):
         return
     timeout = resource_wait_s() if timeout is None else timeout
-    answers, pending = _ask_each_node(_node_report, data_dir, nodes, timeout)
+    answers, pending = ask_each_node(_node_report, data_dir, nodes, timeout)
     ours = versions()
     for node, report in answers:
         differ = [f"{name} {v}" for name, v in report["versions"].items() if v != ours[name]]
         if differ:
             mine = ", ".join(f"{name} {ours[name]}" for name in ours)
             raise UserError(
-                f"node {_node_names([node])} runs {', '.join(differ)}, this driver {mine}; install "
+                f"node {node_names([node])} runs {', '.join(differ)}, this driver {mine}; install "
                 "the same gptrun, ray and torch on every node"
             )
     missing = [(node, report["data"]) for node, report in answers if report["data"]]
     if missing:
         raise UserError(
-            f"data.dir {data_dir} is not usable on node(s) {_node_names([n for n, _ in missing])} "
+            f"data.dir {data_dir} is not usable on node(s) {node_names([n for n, _ in missing])} "
             f"({missing[0][1]}); put the prepared folder at the same path on every node that runs "
             "trials (a shared mount, or a copy)"
         )
@@ -542,7 +523,7 @@ def _node_report(data_dir: str) -> dict[str, Any]:
     return {"versions": versions(), "data": _data_problem(data_dir)}
 
 
-def _ask_each_node(fn: Any, arg: str, nodes: list[dict[str, Any]], timeout: float) -> tuple[list, int]:
+def ask_each_node(fn: Any, arg: str, nodes: list[dict[str, Any]], timeout: float) -> tuple[list, int]:
     """`fn(arg)` in a zero-CPU task pinned to each of `nodes`: (node, answer) for those that
     answered within `timeout` seconds, and how many did not (their tasks are cancelled)."""
     import ray
@@ -567,7 +548,7 @@ def _ask_each_node(fn: Any, arg: str, nodes: list[dict[str, Any]], timeout: floa
     return answers, len(pending)
 
 
-def _node_names(nodes: list[dict[str, Any]]) -> str:
+def node_names(nodes: list[dict[str, Any]]) -> str:
     return ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in nodes)
 
 

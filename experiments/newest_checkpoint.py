@@ -27,7 +27,7 @@ from ray.tune import Callback
 
 from experiments.events import announced
 from experiments.experiment import append_event, trial_folder_name
-from experiments.private_api import set_trial_checkpoints, trial_checkpoints, trial_folder
+from experiments.private_ray import set_trial_checkpoints, trial_checkpoints, trial_folder
 from experiments.record import read_records
 from experiments.tune_state import checkpoint_folders, checkpoint_index
 

@@ -26,7 +26,8 @@ from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from experiments.outcome import ended_status, study_verdict
-from experiments.private_api import optuna_study, optuna_trials, storage_trial_id, told_trials
+from experiments.private_optuna import storage_trial_id
+from experiments.private_ray import optuna_study, optuna_trials, told_trials
 from experiments.record import CONFIG, CONTINUES, FINAL, STATUS, TUNE_ID, final_result, own_trials, record_of
 from experiments.storage import rdb_storage, shown_url
 from gptcore.errors import UserError

@@ -33,6 +33,7 @@ from gptcore.config import SHAPE_KEYS, ExperimentConfig
 from gptcore.data import cache_dir
 from gptcore.measured import Measured
 from gptcore.mfu import machine_name
+from gptcore.private_torch import inductor_default_cache_dir
 
 COSTS = Measured("compile_costs.json", best=min)  # seconds: durations, so the shortest sample
 
@@ -114,10 +115,8 @@ def share_compile_cache() -> None:
     the user chose a folder. Importing torch._dynamo (any optimizer does) already sets the
     variable to inductor's default, a per-user folder in /tmp; that one is replaced. Inductor
     reads the variable at each compile."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+    if current is None or os.path.abspath(current) == os.path.abspath(inductor_default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torch-compile")
 
 

@@ -424,8 +424,15 @@ USES = {
     "ThreadedMotoServer": "system",  # S3
 }
 # `gptrun` subcommands run in a subprocess (`run_cli(COMMAND, ...)` or `python -m experiments
-# COMMAND ...`): `train` without `--local` runs on Ray.
-COMMANDS = {"sweep": "ray", "resume": "ray", "confirm": "ray", "train": "train", "sample": "train"}
+# COMMAND ...`): `train` without `--local` runs on Ray; `doctor` compiles a function.
+COMMANDS = {
+    "sweep": "ray",
+    "resume": "ray",
+    "confirm": "ray",
+    "train": "train",
+    "sample": "train",
+    "doctor": "train",
+}
 # The instructions that load a global, an attribute, a module or a name imported from one.
 NAME_OPS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD", "IMPORT_NAME", "IMPORT_FROM"}
 MARKS = {"slow": "system"}  # a mark set by hand that says at least this much

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import pytest
@@ -70,6 +71,19 @@ def test_auto_weighs_the_compile_time_against_the_time_it_saves():
         False,
         "compile off (auto: torch.compile is chosen on cpu and cuda only)",
     )
+
+
+def test_compile_cache_is_shared_in_gptruns_cache(cache, monkeypatch, tmp_path):
+    """Inductor's default per-user folder is replaced by gptrun's cache; a folder the user
+    chose is kept (this also guards the private torch name behind the default)."""
+    from gptcore.private_torch import inductor_default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_default_cache_dir())
+    autocompile.share_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "torch-compile")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    autocompile.share_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_the_cost_cache_falls_back_to_the_prior_and_keeps_the_shortest_samples(cache):
