@@ -12,11 +12,17 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from gptcore.errors import DivergedError, UserError
 
-Subcommands = argparse._SubParsersAction  # what add_subparsers() returns (argparse names it privately)
+
+class Subcommands(Protocol):
+    """What `add_subparsers()` returns, as far as the commands use it (argparse's own class for
+    it is private)."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
+
 
 EPILOG = """\
 examples:
