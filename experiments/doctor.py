@@ -17,6 +17,7 @@ from typing import Any
 from experiments.cluster import ask_each_node, node_names, resolve_address, versions
 from experiments.private_optuna import FENCED as OPTUNA_NAMES
 from experiments.private_ray import FENCED as RAY_NAMES
+from gptcore.errors import first_line
 from gptcore.fence import Private, missing
 from gptcore.private_torch import FENCED as TORCH_NAMES
 
@@ -54,8 +55,10 @@ def compile_probe() -> tuple[str, str | None]:
         compiled = torch.compile(lambda x: torch.nn.functional.gelu(x @ x.T).sum())
         compiled(torch.randn(16, 16))
     except Exception as err:  # what a run with train.compile = true would meet
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        return "torch.compile: fails", f"torch.compile fails here ({first}); use train.compile = false"
+        return (
+            "torch.compile: fails",
+            f"torch.compile fails here ({first_line(err)}); use train.compile = false",
+        )
     return f"torch.compile: works ({time.perf_counter() - start:.1f} s for a first small compile)", None
 
 

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from gptcore.errors import UserError
+from gptcore.errors import UserError, first_line
 
 MARKER = ".gptrun-remote"
 CHECK_TIMEOUT_S = 30.0  # the probe's outer bound; its own bounds (`_bounded`) end it sooner
@@ -55,7 +55,7 @@ def filesystem(uri: str) -> tuple[Any, str]:
     try:
         return pyarrow.fs.FileSystem.from_uri(uri)
     except Exception as err:  # ArrowInvalid / OSError: an unknown scheme, a malformed URI
-        raise UserError(f"{uri}: {_first_line(err)}") from None
+        raise UserError(f"{uri}: {first_line(err, 300)}") from None
 
 
 def check_bucket(uri: str) -> None:
@@ -124,7 +124,7 @@ def _fixes(scheme: str) -> str:
 
 
 def _storage_error(err: OSError, scheme: str) -> str:
-    text = _first_line(err)
+    text = first_line(err, 300)
     lower = text.lower()
     if scheme == "gs":
         if any(k in lower for k in ("oauth2", "credential", "access token", "permission", "403", "401")):
@@ -140,11 +140,6 @@ def _storage_error(err: OSError, scheme: str) -> str:
     if any(k in lower for k in ("network_connection", "connect", "resolve", "timeout")):
         return f"cannot reach the object store ({text}); check the endpoint (AWS_ENDPOINT_URL)"
     return text
-
-
-def _first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return (lines[0] if lines else type(err).__name__)[:300]
 
 
 def working_copy(uri: str) -> Path:
@@ -255,7 +250,7 @@ def upload_soon(folder: Path, name: str, *, now: bool = False) -> None:
     try:
         upload(folder, name, bounded=True)
     except (OSError, UserError) as err:
-        print(f"warning: {name} not uploaded ({_first_line(err)}); trying again later", flush=True)
+        print(f"warning: {name} not uploaded ({first_line(err, 300)}); trying again later", flush=True)
         wait = RETRY_S
     _next_upload[path] = time.monotonic() + wait
 

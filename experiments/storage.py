@@ -15,7 +15,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from gptcore.errors import UserError
+from gptcore.errors import UserError, first_line
 
 CONNECT_TIMEOUT_S = 10  # an unreachable host fails in seconds, not after the OS's TCP timeout
 CHECK_LOGIN = "check the user and password (in the URL, PGPASSWORD or ~/.pgpass)"
@@ -65,7 +65,7 @@ def rdb_storage(url: str, read_only: bool = False) -> Any:
         backend = parsed.get_backend_name()
     except (sqlalchemy.exc.ArgumentError, ValueError) as err:
         raise UserError(
-            f"sweep.storage_url {shown}: not a database URL ({_first_line(err)}); write it as "
+            f"sweep.storage_url {shown}: not a database URL ({first_line(err)}); write it as "
             "postgresql://USER@HOST:5432/DB or sqlite:////abs/path/optuna.db"
         ) from None
     kwargs: dict[str, Any] = {}
@@ -81,18 +81,13 @@ def rdb_storage(url: str, read_only: bool = False) -> Any:
         fix = "pip install 'gptrun[postgres]'" if backend == "postgresql" else f"pip install {name}"
         raise UserError(f"sweep.storage_url {shown}: needs the database driver {name!r}: {fix}") from None
     except sqlalchemy.exc.ArgumentError as err:  # an unknown dialect or driver name
-        raise UserError(f"sweep.storage_url {shown}: {_first_line(err)}; check the URL's scheme") from None
+        raise UserError(f"sweep.storage_url {shown}: {first_line(err)}; check the URL's scheme") from None
     except sqlalchemy.exc.OperationalError as err:
-        reason = _first_line(err.orig or err)
+        reason = first_line(err.orig or err)
         hint = next(fix for needle, fix in HINTS if needle in reason.lower())
         raise UserError(f"sweep.storage_url {shown}: cannot connect ({reason}); {hint}") from None
     except Exception as err:  # SQLAlchemy and Optuna raise many more types (schema, versions)
         raise UserError(
             f"sweep.storage_url {shown}: cannot open the Optuna storage "
-            f"({type(err).__name__}: {_first_line(err)})"
+            f"({type(err).__name__}: {first_line(err)})"
         ) from None
-
-
-def _first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return " ".join((lines[0] if lines else type(err).__name__).split())[:200]

@@ -10,3 +10,10 @@ class UserError(Exception):
 
 class DivergedError(RuntimeError):
     """Training stopped because the loss kept going NaN/inf after the allowed rollbacks."""
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """The first non-blank line of `err`'s message, spaces collapsed and cut at `limit`
+    characters (its type's name when it has none): how a library's error fits in one of ours."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return " ".join((lines[0] if lines else type(err).__name__).split())[:limit]

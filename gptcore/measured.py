@@ -12,13 +12,15 @@ against what else is known before it is used, and it is measured again when that
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock
 
 from gptcore.atomic import atomic_file
 from gptcore.data import cache_dir
@@ -115,14 +117,13 @@ def _read(path: Path) -> dict:
     return table if isinstance(table, dict) else {}
 
 
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
+def _lock(path: Path) -> contextlib.AbstractContextManager:
+    """An exclusive lock on a file beside `path` (filelock: released when the block ends or the
+    process dies); none where the folder cannot be written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 - closed below
     except OSError:
-        yield
-        return
-    with lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file is closed
-        yield
+        return contextlib.nullcontext()
+    if not os.access(path.parent, os.W_OK):
+        return contextlib.nullcontext()
+    return FileLock(path.with_name(path.name + ".lock"))

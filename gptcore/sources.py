@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from gptcore.errors import UserError
+from gptcore.errors import UserError, first_line
 from gptcore.tokenizer import EOT, file_sha256
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
@@ -244,9 +244,7 @@ def _check_parquet(path: Path, column: str) -> None:
     try:
         schema = pq.ParquetFile(path).schema_arrow
     except (pa.ArrowException, OSError) as err:
-        raise UserError(
-            f"{path}: not a readable parquet file ({str(err).splitlines()[0]}); check the file"
-        ) from None
+        raise UserError(f"{path}: not a readable parquet file ({first_line(err)}); check the file") from None
     if column not in schema.names:
         raise UserError(
             f"{path}: no column '{column}' (columns: {', '.join(schema.names)}); "

@@ -16,7 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gptcore.data import VOCAB_LIMIT
-from gptcore.errors import UserError
+from gptcore.errors import UserError, first_line
 
 EOT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -75,7 +75,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for any parse failure
-        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         raise UserError(
             f"{path} is not a valid tokenizer.json ({reason}); pass a tokenizer.json "
             "written by `gptrun prepare`"
