@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import random
-import socket
 import subprocess
 import sys
 import types
@@ -125,15 +124,8 @@ def load_local_module() -> Any:
 
 
 def free_ports(n: int) -> list[int]:
-    """n ports free on 127.0.0.1 now (held together while chosen, so all differ)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct ports free on 127.0.0.1 now (cluster/local.py's choice, one copy of it)."""
+    return load_local_module().free_ports(n, set())
 
 
 def resume_checkpoints(states: Iterable[str]) -> dict[str, Any]:
