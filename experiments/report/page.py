@@ -8,9 +8,11 @@ import base64
 import math
 import os
 from collections import Counter
-from html import escape
 from pathlib import Path
 from typing import Any
+
+import jinja2
+from markupsafe import Markup
 
 from experiments.config import RayExperiment
 from experiments.noise import noise_line, verdict
@@ -53,6 +55,17 @@ img{max-width:100%} p.note{background:#f6f6f6;padding:.5em 1em;border-left:4px s
 td.path{text-align:left} td.path div{max-width:16em;overflow:hidden;text-overflow:ellipsis}"""
 
 
+# The page (page.html.jinja) and its parts (the macros of parts.html.jinja), rendered with
+# autoescape: every value is escaped unless it is HTML made here (Markup: a macro's result, the
+# plots' <div>s, plotly.js).
+ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("experiments.report", "."), autoescape=True, undefined=jinja2.StrictUndefined
+)
+ENV.filters["tokens"] = fmt_tokens
+PAGE = ENV.get_template("page.html.jinja")
+PARTS = ENV.get_template("parts.html.jinja").module
+
+
 def report_page(
     exp_dir: Path,
     out_dir: Path,
@@ -73,7 +86,7 @@ def report_page(
     warm-start history (`warm_start`: its HTML, "" for a cold sweep) and the PNGs."""
     drawable = len(common.losses) >= 2  # Optuna's contour and parallel coordinates need two trials
     contour = interactive.contour_figure(study, space, common) if drawable else None
-    too_few = f"<p>Needs two trials compared at the common budget; there are {len(common.losses)}.</p>"
+    too_few = PARTS.too_few(len(common.losses))
     params = interactive.params_figure(trials, common, space) if common.losses else None
     sections = {
         "Summary": best_html(best) + common_note(common, trials) + baseline_note(cfg, space, trials),
@@ -88,7 +101,7 @@ def report_page(
             if contour
             else too_few
             if not drawable
-            else "<p>Needs two searched hyperparameters.</p>"
+            else PARTS.needs_two_params()
         ),
         "Parallel coordinates": (
             interactive.div(interactive.parallel_figure(study, common), "parallel") if drawable else too_few
@@ -105,45 +118,25 @@ def html_page(name: str, trials: list[dict[str, Any]], sections: dict[str, str],
     """The whole page: a summary line, then `sections` (heading -> HTML: a table, a plot's
     <div>, a note), in order; `plotly_js` is inlined once, in the head."""
     counts = ", ".join(f"{n} {s}" for s, n in Counter(t["status"] for t in trials).items())
-    body = "".join(f"<h2>{escape(title)}</h2>{html}\n" for title, html in sections.items())
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>gptrun sweep {escape(name)}</title>
-<style>{STYLE}</style><script>{plotly_js}</script></head><body>
-<h1>Sweep {escape(name)}</h1>
-<p>{len(trials)} trials: {escape(counts or "none yet")}.</p>
-{body}</body></html>
-"""
+    sections = {title: Markup(html) for title, html in sections.items()}
+    return PAGE.render(
+        name=name,
+        trials=trials,
+        counts=counts,
+        style=Markup(STYLE),
+        plotly_js=Markup(plotly_js),
+        sections=sections,
+    )
 
 
 def best_html(best: dict[str, Any] | None) -> str:
     """The best trial's line: its final loss, best.toml, its checkpoint."""
-    if best is None:
-        return "<p>No trial has finished without error yet, so there is no best config.</p>"
-    return (
-        f"<p class='best'>Best trial <b>{escape(best['trial_id'])}</b>: final val loss "
-        f"{best['val_loss']:.4f} ({escape(best['status'])}, {fmt_tokens(best['tokens'])} tokens); "
-        "config <a href='best.toml'>best.toml</a>; checkpoint "
-        f"<code>{escape(best['checkpoint'] or '-')}</code></p>"
-    )
+    return PARTS.best_line(best)
 
 
 def common_note(common: CommonBudget, trials: list[dict[str, Any]]) -> str:
     """What the comparisons compare, and which trials they leave out."""
-    if not common.losses:
-        return "<p class='note'>No trial has an evaluation to compare yet.</p>"
-    completed = sum(t["status"] == "completed" for t in trials)
-    left = (
-        f" Left out: {escape(', '.join(common.left_out))} (no evaluation by then: ended before its first)."
-        if common.left_out
-        else ""
-    )
-    return (
-        f"<p class='note'>Trials are compared at <b>{fmt_tokens(common.tokens)} tokens</b> "
-        f"({len(common.losses)} trials), the largest budget every trial that finished reached (ASHA "
-        "stops the worse trials at its rungs and trains the better ones on: a trial trained longer has "
-        "a lower loss whatever its hyperparameters). Plots put trials side by side at that budget; the "
-        f"completed trials' final losses ({completed}) are shown as their own series.{left}</p>"
-    )
+    return PARTS.common_note(common, sum(t["status"] == "completed" for t in trials))
 
 
 def trial_table(
@@ -160,14 +153,20 @@ def trial_table(
     paths = {t["trial_id"]: t.get("path", "") for t in trials}
     nodes = short_ids(r["node_id"] for r in rows)
     keys = [k for k in rows[0] if k != "common_tokens"]
-    head = "".join(_header(k, common) for k in keys)
-    body = "".join(
-        f"<tr class='{escape(r['status'].replace(' ', '-'))}'>"
-        + "".join(_cell(k, r[k], sci, paths.get(r["trial_id"], ""), nodes, out_dir) for k in keys)
-        + "</tr>"
+    headers = [
+        {"text": f"val loss at {fmt_tokens(common.tokens)}", "class": "at"}
+        if k == "common_val_loss"
+        else {"text": HEADERS.get(k, k)}
+        for k in keys
+    ]
+    cells = [
+        (
+            r["status"].replace(" ", "-"),
+            [_cell(k, r[k], sci, paths.get(r["trial_id"], ""), nodes, out_dir) for k in keys],
+        )
         for r in rows
-    )
-    return f"<div style='overflow-x:auto'><table><tr>{head}</tr>{body}</table></div>"
+    ]
+    return PARTS.trial_table(headers, cells)
 
 
 def importance_html(ranked: Importances, common: CommonBudget) -> str:
@@ -175,55 +174,44 @@ def importance_html(ranked: Importances, common: CommonBudget) -> str:
     plot = (
         interactive.div(interactive.importance_figure(ranked, common), "importance") if ranked.point else ""
     )
-    return plot + (f"<p class='note'>{escape(ranked.note)}</p>" if ranked.note else "")
+    return PARTS.importance(Markup(plot), ranked.note)
 
 
 def png_images(out_dir: Path) -> str:
     """The PNGs that were drawn, held in the page (it is mailed alone), and their file names
     beside it (for a paper or a chat). noise.png is in the noise section already."""
     names = [n for n in ("curves.png", "params.png", "importance.png") if (out_dir / n).exists()]
-    if not names:
-        return "<p>No plot was drawn.</p>"
-    return f"<p>The same plots as images, also beside this page as {', '.join(names)}:</p>" + "".join(
-        png(out_dir / n, n) for n in names
-    )
+    return PARTS.images(names, [png(out_dir / n, n) for n in names])
 
 
 def png(path: Path, alt: str) -> str:
     """An <img> holding the PNG itself (a data: URI), so that the page needs no other file."""
-    data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f"<img src='data:image/png;base64,{data}' alt='{escape(alt)}'>"
+    return PARTS.png(base64.b64encode(path.read_bytes()).decode("ascii"), alt)
 
 
-def _header(key: str, common: CommonBudget) -> str:
-    if key == "common_val_loss":
-        return f"<th class='at'>val loss at {fmt_tokens(common.tokens)}</th>"
-    return f"<th>{escape(HEADERS.get(key, key))}</th>"
-
-
-def _cell(key: str, value: Any, sci: set[str], path: str, nodes: dict[str, str], out_dir: Path) -> str:
+def _cell(key: str, value: Any, sci: set[str], path: str, nodes: dict[str, str], out: Path) -> dict[str, Any]:
+    """A cell of the trial table: its text, and where it has them its class, hover title, link."""
     if key == "trial_id" and path and "://" not in path:
-        href = Path(os.path.relpath(path, out_dir)).as_posix()
-        return f"<td><a href='{escape(href)}/'>{escape(value)}</a></td>"
+        return {"text": value, "href": Path(os.path.relpath(path, out)).as_posix() + "/"}
     if key == "status":
-        return f"<td title='{escape(STATUS.get(value, ''))}'>{escape(value)}</td>"
+        return {"text": value, "title": STATUS.get(value, "")}
     if key == "common_val_loss":
-        return f"<td class='at'>{_number(value, '.4f')}</td>"
+        return {"text": _number(value, ".4f"), "class": "at"}
     if key == "tokens":
-        return f"<td>{fmt_tokens(value)}</td>"
+        return {"text": fmt_tokens(value)}
     if key in sci and isinstance(value, float):
-        return f"<td>{fmt_sci(value)}</td>"
+        return {"text": fmt_sci(value)}
     if key in ("val_loss", "best_val_loss", "val_bpb"):
-        return f"<td>{_number(value, '.4f')}</td>"
+        return {"text": _number(value, ".4f")}
     if key.endswith("_s") and isinstance(value, float):
-        return f"<td>{'-' if math.isnan(value) else f'{value:.3g}s'}</td>"
+        return {"text": "-" if math.isnan(value) else f"{value:.3g}s"}
     if key in ("checkpoint", "reason") and value:  # cut to the column's width; all of it on hover
         # The width is the inner block's: CSS leaves max-width on a table cell undefined.
         shown = Path(value).name if key == "checkpoint" else value  # the trial is in its own column
-        return f"<td class='path' title='{escape(value)}'><div>{escape(shown)}</div></td>"
+        return {"text": shown, "title": value, "class": "path"}
     if key == "node_id":
-        return f"<td title='{escape(value)}'>{escape(nodes.get(value, '-'))}</td>"
-    return f"<td>{escape(_text(value))}</td>"
+        return {"text": nodes.get(value, "-"), "title": value}
+    return {"text": _text(value)}
 
 
 def _number(value: Any, spec: str) -> str:
@@ -235,40 +223,32 @@ def warm_start_html(history: list[Any], line: str) -> str:
     (optuna FrozenTrials), best first; "" for a sweep that was not warm-started."""
     if not line:
         return ""
-    rows = "".join(
-        f"<tr><td>{escape(str(t.user_attrs[WARM_FROM]))}</td><td>{escape(str(t.user_attrs[WARM_TRIAL]))}"
-        f"</td><td>{'completed' if t.state.name == 'COMPLETE' else 'stopped early'}</td>"
-        f"<td>{escape(_text(t.value))}</td><td>{fmt_tokens(max(t.intermediate_values, default=0))}</td>"
-        f"<td>{escape(', '.join(f'{k}={_text(v)}' for k, v in short_params(t.params).items()))}</td></tr>"
+    rows = [
+        (
+            t.user_attrs[WARM_FROM],
+            t.user_attrs[WARM_TRIAL],
+            "completed" if t.state.name == "COMPLETE" else "stopped early",
+            _text(t.value),
+            fmt_tokens(max(t.intermediate_values, default=0)),
+            ", ".join(f"{k}={_text(v)}" for k, v in short_params(t.params).items()),
+        )
         for t in sorted(history, key=lambda t: t.value)
-    )
-    return (
-        f"<p>{escape(line)}.</p><table><tr><th>from</th><th>trial</th><th>status</th><th>val loss</th>"
-        f"<th>tokens</th><th>values</th></tr>{rows}</table>"
-    )
+    ]
+    return PARTS.warm_start(line, rows)
 
 
 def noise_html(noise: dict[str, Any] | None, exp_dir: Path, out_dir: Path) -> str:
     """The noise section: the verdict, the noise line and the re-runs (beside noise.png), or how
     to measure the noise when `gptrun confirm` has not."""
     if noise is None:
-        return (
-            "<p>Seed-to-seed noise has not been measured for this sweep, so differences between "
-            "close trials may be noise; to measure it, re-run the best configs with new seeds "
-            f"(<code>gptrun confirm {escape(str(exp_dir))} --top 3 --seeds 3</code>).</p>"
-        )
+        return PARTS.no_noise(exp_dir)
     line = noise_line(noise)
-    rows = "".join(
-        f"<tr><td>{escape(r['trial_id'])}</td><td>{escape(_text(r['sweep_val_loss']))}</td>"
-        f"<td>{escape(_text(r['mean']))}</td><td>{escape(_text(r['std']))}</td>"
-        f"<td>{len(r['losses'])}</td></tr>"
+    rows = [
+        (r["trial_id"], _text(r["sweep_val_loss"]), _text(r["mean"]), _text(r["std"]), len(r["losses"]))
         for r in noise["candidates"]
-    )
-    return (
-        f"<p>{escape(verdict(noise))}. {escape(line[:1].upper() + line[1:])}.</p>"
-        "<table><tr><th>trial</th><th>sweep loss</th><th>mean</th><th>std</th><th>runs</th>"
-        f"</tr>{rows}</table>{png(out_dir / 'noise.png', 'noise')}"
-    )
+    ]
+    image = png(out_dir / "noise.png", "noise")
+    return PARTS.noise(verdict(noise), line[:1].upper() + line[1:], rows, image)
 
 
 def baseline_note(cfg: RayExperiment, space: Space, trials: list[dict[str, Any]]) -> str:
@@ -282,7 +262,7 @@ def baseline_note(cfg: RayExperiment, space: Space, trials: list[dict[str, Any]]
         else f"{k.rpartition('.')[2]}={v}"
         for k, v in base.items()
     )
-    return f"<p>{same} trial(s) ran with the baseline config ({escape(values)}).</p>"
+    return PARTS.baseline_note(same, values)
 
 
 def _text(value: Any) -> str:
