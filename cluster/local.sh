@@ -11,7 +11,7 @@
 #   cluster/local.sh env                     # the export line a client needs
 #
 # State (pids, ports, token) goes to --dir, $GPTRUN_CLUSTER_DIR or ./.cluster. The Python is
-# $GPTRUN_PYTHON, else the repository's .venv, else python3 (it needs `ray` installed).
+# $GPTRUN_PYTHON, else the repository's .venv, else python3 (it needs ray and gptrun installed).
 set -euo pipefail
 
 usage() {
