@@ -19,8 +19,10 @@ from typing import Any
 
 from ray.tune import Callback
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+from ray.tune.stopper import Stopper
 
 from experiments import remote
+from experiments.config import SweepLimit
 from experiments.experiment import EVENTS_FILE, append_event, read_events
 from experiments.outcome import FLAGS
 
@@ -64,30 +66,65 @@ def announced(exp_dir: Path, trial_id: str, event: str) -> bool:
     return any(e["event"] == event and e["trial_id"] == trial_id for e in read_events(exp_dir))
 
 
-class TrialEvents(Callback):
-    """Start, end and error of every trial: one line each, and a line in events.jsonl.
+class SweepBudget(Callback, Stopper):
+    """`sweep.budget` as it is spent: the wall-clock since the sweep started, or the tokens its
+    trials trained (each trial's latest report, summed over all trials). Tune ends every trial
+    once `stop_all` turns true, as it does for its own `time_budget_s`, and tells no callback
+    (`TrialEvents` announces those ends).
 
-    Tune ends the trials that are running when `sweep.budget` runs out without calling
-    `on_trial_complete`: `on_experiment_end` tells their end instead, once the budget is spent
-    (an interrupted sweep's trials are not ended: `gptrun resume` continues them). The budget
-    time spent is saved with Tune's state (`get_state`), so that a resumed sweep counts its
-    budget from the sweep's start, as Tune does."""
+    It is both the experiment's stopper and one of its callbacks, so that a resumed sweep
+    counts from the sweep's start (Tune's `time_budget_s` would start again at the resume):
+    the time spent is saved with Tune's state (`get_state`), and the tokens come from the
+    trials' last results, which Tune saves and restores with each trial (`on_step_begin`)."""
 
-    def __init__(self, exp_dir: Path, full_tokens: int, budget_s: float | None = None) -> None:
-        self.exp_dir, self.full_tokens, self.budget_s = exp_dir, full_tokens, budget_s
+    def __init__(self, limit: SweepLimit) -> None:
+        self.limit = limit
         self.started_unix = time.time()
-        self.spent_s = 0.0  # budget time spent before this run of the experiment (a resume)
-        self.ended: set[str] = set()
+        self.spent_s = 0.0  # time spent before this run of the experiment (a resume)
+        self.tokens: dict[str, float] = {}  # trial id -> tokens at its latest report
 
     def setup(self, **info: Any) -> None:
-        self.started_unix = time.time()  # Tune's budget clock starts with the experiment
-        self.ended = {e["trial_id"] for e in read_events(self.exp_dir) if e["event"] in ("end", "error")}
+        self.started_unix = time.time()
 
     def get_state(self) -> dict[str, Any]:
-        return {"spent_s": self.spent_s + time.time() - self.started_unix}
+        return {"spent_s": self.seconds()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.spent_s = state["spent_s"]
+
+    def on_step_begin(self, iteration: int, trials: list, **info: Any) -> None:
+        self.tokens.update({t.trial_id: t.last_result.get("tokens", 0) for t in trials if t.last_result})
+
+    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+        """Each result as it comes, so that the one that spends the budget ends the sweep at once."""
+        self.tokens[trial_id] = result.get("tokens", 0)
+        return False
+
+    def seconds(self) -> float:
+        """Wall-clock since the sweep started, its earlier runs (before a resume) included."""
+        return self.spent_s + time.time() - self.started_unix
+
+    def spent(self) -> float:
+        """Seconds or tokens, as the budget is given."""
+        return sum(self.tokens.values()) if self.limit.tokens else self.seconds()
+
+    def stop_all(self) -> bool:
+        return self.spent() >= self.limit.amount
+
+
+class TrialEvents(Callback):
+    """Start, end and error of every trial: one line each, and a line in events.jsonl.
+
+    Tune ends the trials that are running when `budget` runs out (a `SweepBudget`) without
+    calling `on_trial_complete`: `on_experiment_end` tells their end instead, once the budget is
+    spent (an interrupted sweep's trials are not ended: `gptrun resume` continues them)."""
+
+    def __init__(self, exp_dir: Path, full_tokens: int, budget: SweepBudget | None = None) -> None:
+        self.exp_dir, self.full_tokens, self.budget = exp_dir, full_tokens, budget
+        self.ended: set[str] = set()
+
+    def setup(self, **info: Any) -> None:
+        self.ended = {e["trial_id"] for e in read_events(self.exp_dir) if e["event"] in ("end", "error")}
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         if trial.trial_id in self.ended:  # a resume replaying its end starts it for a moment
@@ -109,7 +146,7 @@ class TrialEvents(Callback):
 
     def _cut_by_budget(self, trials: list) -> None:
         """End the trials the spent budget cut (Tune ends them without telling anyone)."""
-        if self.budget_s is None or self.spent_s + time.time() - self.started_unix < self.budget_s:
+        if self.budget is None or not self.budget.stop_all():
             return
         for trial in trials:
             if trial.trial_id not in self.ended and trial.last_result and trial.status != "ERROR":
