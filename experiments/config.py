@@ -90,6 +90,9 @@ class SweepLimit:
     amount: float
     tokens: bool = False
 
+    def __str__(self) -> str:
+        return f"{self.amount:,.0f} tokens" if self.tokens else f"{self.amount:g}s"
+
 
 TOKEN_SCALES = {"k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}
 

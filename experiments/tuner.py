@@ -63,10 +63,8 @@ def new_tuner(
         metric=METRIC,
         mode=MODE,  # not sort_by_metric: it crashes on a trial ended before its first report
     )
-    stop = SweepBudget(budget) if budget else None  # also a callback: it saves the time spent
     callbacks = [
-        *([stop] if stop else []),
-        TrialEvents(exp_dir, trial_tokens(cfg), stop),
+        TrialEvents(exp_dir, trial_tokens(cfg)),
         NewestCheckpoints(exp_dir, study_url(cfg, exp_dir)),  # each trial from its newest checkpoint
         *tracking_callbacks(cfg, tracking_name or exp_dir.name, exp_dir),
     ]
@@ -80,7 +78,7 @@ def new_tuner(
             storage_path=storage_path,
             progress_reporter=reporter,
             verbose=1,
-            stop=stop,
+            stop=SweepBudget(exp_dir, budget) if budget else None,
             callbacks=callbacks,
             checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints or None),
             failure_config=tune.FailureConfig(max_failures=1),

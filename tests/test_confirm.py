@@ -164,7 +164,6 @@ def test_only_the_sweep_counts_its_budget(tiny_data: Path, tmp_path: Path) -> No
     the sweep's, a confirm that outlasted it would end its re-runs and announce them as "cut by
     the sweep budget"). No Ray: the Tuners are built, not run, as the sweep and confirm build them."""
     from experiments.confirm import Candidates, _confirm_tuner
-    from experiments.events import SweepBudget, TrialEvents
 
     cfg = load_experiment(
         write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8, sweep_keys='budget = "1m"')
@@ -172,9 +171,7 @@ def test_only_the_sweep_counts_its_budget(tiny_data: Path, tmp_path: Path) -> No
     plan = {"candidates": ["a"], "seeds": [1, 2]}
     confirm = _confirm_tuner(cfg, Candidates({"a": {}}), tmp_path / "confirm", 1, plan, False, "c")
     run_config = confirm._local_tuner.get_run_config()  # Ray keeps it on its local TunerInternal
-    events = next(c for c in run_config.callbacks if isinstance(c, TrialEvents))
-    assert run_config.stop is None and events.budget is None
-    assert not any(isinstance(c, SweepBudget) for c in run_config.callbacks)
+    assert run_config.stop is None, run_config.stop
 
 
 def _confirm_trial_dirs(exp_dir: Path) -> list[Path]:
