@@ -15,7 +15,7 @@ Every method gets the training tokens of `--trials` full trials:
 - warm-tpe+asha: tpe+asha warm-started (`sweep.warm_start`) from the tpe+asha sweep of the
   previous seed at the same K (seed 0 from the last seed's, run after the other seeds): every
   COMPLETE and PRUNED trial of that sweep, with losses measured under that seed's training seed.
-The TPE methods start trials until a Tune Stopper sees the token budget used up; ASHA (reduction
+The TPE methods start trials until their token budget (a `SweepBudget`) is used up; ASHA (reduction
 factor 3) stops most of them early. Grid and random search run at the first K only: they do not
 adapt, so each of their trials trains the same config with the same seed at any K (one torch
 thread per trial either way), and the later K's tables compare against those runs.
@@ -47,11 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ray.tune.stopper import Stopper
-
 from experiments.budget import concurrency, trial_tokens
 from experiments.cluster import local_resources, ray_session
-from experiments.config import RayExperiment, checked_for_workers, load_experiment
+from experiments.config import RayExperiment, SweepLimit, checked_for_workers, load_experiment
 from experiments.experiment import start_experiment
 from experiments.results import load_analysis, load_trials
 from experiments.space import Space, apply_overrides, parse_space
@@ -90,21 +88,6 @@ def task(data: str, steps: int, trials: int) -> RayExperiment:
     )
 
 
-class TokenBudget(Stopper):
-    """End the whole experiment once its trials have trained `budget` tokens."""
-
-    def __init__(self, budget: float) -> None:
-        self.budget = budget
-        self.tokens: dict[str, float] = {}
-
-    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
-        self.tokens[trial_id] = result.get("tokens", 0.0)
-        return False
-
-    def stop_all(self) -> bool:
-        return sum(self.tokens.values()) >= self.budget
-
-
 TPE = {
     "plain-tpe+asha": {"sweep.multivariate": False, "sweep.constant_liar": False},
     "tpe+asha": {},  # gptrun sweep's defaults
@@ -137,7 +120,7 @@ def run_method(
 
     width = concurrency(cfg, *local_resources())
     exp_dir = root / f"{name}-k{width}-seed{cfg.sweep.seed}"
-    param_space, stop, history = None, None, None
+    param_space, budget, history = None, None, None
     if name in TPE:
         cfg = apply_overrides(cfg, TPE[name])
         if warm_from is not None:
@@ -145,8 +128,8 @@ def run_method(
             history = load_history(cfg, space, root)
         start_experiment(exp_dir, cfg, {"max_concurrent": width})
         tune_config = search_config(cfg, space, exp_dir, history)
-        tune_config.num_samples = 10 * cfg.sweep.num_samples  # the Stopper ends it first
-        stop = TokenBudget(cfg.sweep.num_samples * trial_tokens(cfg))
+        tune_config.num_samples = 10 * cfg.sweep.num_samples  # the token budget ends it first
+        budget = SweepLimit(cfg.sweep.num_samples * trial_tokens(cfg), tokens=True)
     elif name == "random":
         start_experiment(exp_dir, cfg, {"max_concurrent": width})
         searcher = OptunaSearch(
@@ -161,7 +144,9 @@ def run_method(
         param_space = {k: tune.grid_search(v) for k, v in GRID.items()}
         tune_config = tune.TuneConfig()
     start = time.perf_counter()
-    new_tuner(cfg, space, exp_dir, width, tune_config=tune_config, param_space=param_space, stop=stop).fit()
+    new_tuner(
+        cfg, space, exp_dir, width, tune_config=tune_config, param_space=param_space, budget=budget
+    ).fit()
     wall = time.perf_counter() - start
     return {
         "name": name,

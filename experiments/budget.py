@@ -3,8 +3,9 @@ trial's tokens, ASHA's grace and rungs, what one trial reserves, and how many fi
 
 from __future__ import annotations
 
-from experiments.config import RayExperiment
+from experiments.config import RayExperiment, SweepLimit, parse_budget
 from gptcore.config import run_budget
+from gptcore.errors import UserError
 
 # A DDP trial's Tune process only waits on its TorchTrainer, whose workers reserve the CPUs/GPUs.
 DDP_DRIVER_CPU = 0.01
@@ -13,6 +14,28 @@ DDP_DRIVER_CPU = 0.01
 def trial_tokens(cfg: RayExperiment) -> int:
     """The per-trial budget in tokens (ASHA's max_t)."""
     return run_budget(cfg, cfg.resources.workers).total_tokens
+
+
+def first_report_tokens(cfg: RayExperiment) -> int:
+    """The tokens a trial has trained at its first report (its first evaluation)."""
+    budget = run_budget(cfg, cfg.resources.workers)
+    return budget.tokens_per_step * min(cfg.train.eval_interval, budget.total_steps)
+
+
+def sweep_limit(cfg: RayExperiment) -> SweepLimit | None:
+    """`sweep.budget` read, if set. A token budget that one trial's first report already spends
+    would end the sweep before any trial could be compared: a slip of the unit, refused."""
+    if not cfg.sweep.budget:
+        return None
+    limit = parse_budget(cfg.sweep.budget)
+    first = first_report_tokens(cfg)
+    if limit.tokens and limit.amount <= first:
+        raise UserError(
+            f"sweep.budget={cfg.sweep.budget!r} is spent by one trial's first report ({first:,} "
+            f"tokens, at train.eval_interval); give the sweep a few trials' worth "
+            f"({trial_tokens(cfg):,} tokens each)"
+        )
+    return limit
 
 
 def grace_tokens(cfg: RayExperiment) -> int:

@@ -38,7 +38,9 @@ class SweepConfig:
 
     num_samples: int = 8
     seed: int = 0
-    budget: str = ""  # wall-clock for the whole sweep, e.g. "2h", "30m", "900s"; "" = none
+    # The whole sweep's budget: wall-clock ("2h", "30m", "900s") or the tokens all its trials
+    # train, summed ("20M tokens"); "" = none. `parse_budget` reads it.
+    budget: str = ""
     max_concurrent: int = 0  # 0 means derived from the cluster
     baseline: bool = True  # trial 0 runs the config's own values (points_to_evaluate)
     grace_tokens: int = 0  # ASHA: tokens before the first cut; 0 means a quarter of the trial
@@ -68,7 +70,7 @@ class SweepConfig:
                 f"sweep.confirm_seeds={self.confirm_seeds} must be >= 2 (a spread needs two runs)"
             )
         if self.budget:
-            parse_duration(self.budget)
+            parse_budget(self.budget)
 
 
 @dataclass
@@ -78,6 +80,42 @@ class TrackingConfig:
 
     mlflow_uri: str = ""  # e.g. "sqlite:///mlflow.db" or "http://mlflow:5000"
     wandb_project: str = ""  # W&B project; WANDB_API_KEY (or WANDB_MODE=offline) from the env
+
+
+@dataclass(frozen=True)
+class SweepLimit:
+    """`sweep.budget` read: `amount` seconds of wall-clock, or (`tokens`) tokens trained by all
+    the sweep's trials together."""
+
+    amount: float
+    tokens: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.amount:,.0f} tokens" if self.tokens else f"{self.amount:g}s"
+
+
+TOKEN_SCALES = {"k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}
+
+
+def parse_budget(text: str) -> SweepLimit:
+    """'2h' / '90m' / '1h30m' / '900s' / '3600' -> seconds; '20M tokens' / '500k tokens' /
+    '2e7 tokens' -> tokens. One key for both, as one notion has one name: the unit says which."""
+    words = text.strip().lower()
+    if not words.endswith("tokens"):
+        return SweepLimit(parse_duration(text))
+    number = words.removesuffix("tokens").strip()
+    scale = TOKEN_SCALES.get(number[-1:], 1.0)
+    if number[-1:] in TOKEN_SCALES:
+        number = number[:-1]
+    try:
+        total = float(number) * scale
+    except ValueError:
+        raise UserError(
+            f"sweep.budget={text!r} is not a number of tokens; write e.g. '20M tokens' or '500k tokens'"
+        ) from None
+    if not 0 < total < math.inf:
+        raise UserError(f"sweep.budget={text!r} must be a positive, finite number of tokens")
+    return SweepLimit(total, tokens=True)
 
 
 def parse_duration(text: str) -> float:
@@ -95,7 +133,8 @@ def parse_duration(text: str) -> float:
         total += float(number) if number else 0.0
     except ValueError:
         raise UserError(
-            f"sweep.budget={text!r} is not a duration; write e.g. '2h', '30m', '1h30m' or '900s'"
+            f"sweep.budget={text!r} is neither a duration nor tokens; write e.g. '2h', '30m', "
+            "'1h30m', '900s' or '20M tokens'"
         ) from None
     if not 0 < total < math.inf:  # a number too long for a float is inf
         raise UserError(f"sweep.budget={text!r} must be a positive, finite duration")

@@ -19,8 +19,10 @@ from typing import Any
 
 from ray.tune import Callback
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+from ray.tune.stopper import Stopper
 
 from experiments import remote
+from experiments.config import SweepLimit
 from experiments.experiment import EVENTS_FILE, append_event, read_events
 from experiments.outcome import FLAGS
 
@@ -64,30 +66,63 @@ def announced(exp_dir: Path, trial_id: str, event: str) -> bool:
     return any(e["event"] == event and e["trial_id"] == trial_id for e in read_events(exp_dir))
 
 
+class SweepBudget(Stopper):
+    """`sweep.budget` as it is spent: the wall-clock of the sweep, or the tokens its trials
+    trained (each trial's latest report, summed over all trials). Tune ends every trial once
+    `stop_all` turns true, as it does for its own `time_budget_s`, and tells no callback: the
+    first time, this says so on the console and as a `budget_spent` event, from which
+    `TrialEvents` tells those ends.
+
+    Tune keeps its stopper in its experiment state with the trials, so a resumed sweep counts
+    from the sweep's start: the tokens reported before the last snapshot are here (those
+    reported after it are reported again by the trials that continue), and so is the time spent;
+    the time between a kill and its resume is not counted (`__setstate__`), as in Tune's own."""
+
+    def __init__(self, exp_dir: Path, limit: SweepLimit) -> None:
+        self.exp_dir, self.limit = exp_dir, limit
+        self.tokens: dict[str, float] = {}  # trial id -> tokens at its latest report
+        self.spent_s = 0.0
+        self.last_check: float | None = None  # the clock runs from the first `stop_all`
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, last_check=None)
+
+    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+        """Each result as it comes, so that the one that spends the budget ends the sweep at once."""
+        self.tokens[trial_id] = result.get("tokens", 0)
+        return False
+
+    def stop_all(self) -> bool:
+        now = time.time()
+        self.spent_s += now - (self.last_check or now)
+        self.last_check = now
+        spent = sum(self.tokens.values()) if self.limit.tokens else self.spent_s
+        if spent < self.limit.amount:
+            return False
+        if not budget_spent(self.exp_dir):
+            append_event(self.exp_dir, {"event": "budget_spent", "spent": spent, "unix": now})
+            print(f"the sweep's budget of {self.limit} is spent: the trials running end here", flush=True)
+        return True
+
+
+def budget_spent(exp_dir: Path) -> bool:
+    """Whether `events.jsonl` says the sweep's budget is spent (`SweepBudget`)."""
+    return any(e["event"] == "budget_spent" for e in read_events(exp_dir))
+
+
 class TrialEvents(Callback):
     """Start, end and error of every trial: one line each, and a line in events.jsonl.
 
-    Tune ends the trials that are running when `sweep.budget` runs out without calling
-    `on_trial_complete`: `on_experiment_end` tells their end instead, once the budget is spent
-    (an interrupted sweep's trials are not ended: `gptrun resume` continues them). The budget
-    time spent is saved with Tune's state (`get_state`), so that a resumed sweep counts its
-    budget from the sweep's start, as Tune does."""
+    Tune ends the trials that are running when `sweep.budget` runs out (`SweepBudget`) without
+    calling `on_trial_complete`: `on_experiment_end` tells their end instead, once the budget is
+    spent (an interrupted sweep's trials are not ended: `gptrun resume` continues them)."""
 
-    def __init__(self, exp_dir: Path, full_tokens: int, budget_s: float | None = None) -> None:
-        self.exp_dir, self.full_tokens, self.budget_s = exp_dir, full_tokens, budget_s
-        self.started_unix = time.time()
-        self.spent_s = 0.0  # budget time spent before this run of the experiment (a resume)
+    def __init__(self, exp_dir: Path, full_tokens: int) -> None:
+        self.exp_dir, self.full_tokens = exp_dir, full_tokens
         self.ended: set[str] = set()
 
     def setup(self, **info: Any) -> None:
-        self.started_unix = time.time()  # Tune's budget clock starts with the experiment
         self.ended = {e["trial_id"] for e in read_events(self.exp_dir) if e["event"] in ("end", "error")}
-
-    def get_state(self) -> dict[str, Any]:
-        return {"spent_s": self.spent_s + time.time() - self.started_unix}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.spent_s = state["spent_s"]
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         if trial.trial_id in self.ended:  # a resume replaying its end starts it for a moment
@@ -109,7 +144,7 @@ class TrialEvents(Callback):
 
     def _cut_by_budget(self, trials: list) -> None:
         """End the trials the spent budget cut (Tune ends them without telling anyone)."""
-        if self.budget_s is None or self.spent_s + time.time() - self.started_unix < self.budget_s:
+        if not budget_spent(self.exp_dir):
             return
         for trial in trials:
             if trial.trial_id not in self.ended and trial.last_result and trial.status != "ERROR":

@@ -5,7 +5,7 @@ Each trial of a sweep ends with one status:
 
     completed      trained its full token budget
     stopped early  ASHA stopped it at a rung
-    cut by budget  the sweep's time budget (`sweep.budget`) ended it
+    cut by budget  the sweep's budget (`sweep.budget`, wall-clock or tokens) ended it
     diverged       its loss became NaN or infinite
     refused        the config refused its sampled values (e.g. heads that do not divide the width)
     error          anything else went wrong: a bug, out of memory, a lost node
@@ -31,7 +31,7 @@ FLAGS = ("error", "diverged", "refused")  # what a trial's last report carries w
 
 def ended_status(result: dict[str, Any] | None, full_tokens: float, *, cut: bool = False) -> str:
     """The status of a trial that ended with `result`, its last report (None: it died without
-    one). A trial short of its token budget was stopped by ASHA, or by the sweep's time budget
+    one). A trial short of its token budget was stopped by ASHA, or by the sweep's budget
     where `cut`."""
     if not result:
         return "error"

@@ -14,10 +14,11 @@ from experiments.budget import (
     grace_tokens,
     is_lean,
     local_extra_cpus,
+    sweep_limit,
     trial_footprint,
     trial_tokens,
 )
-from experiments.config import RayExperiment, load_experiment, parse_duration
+from experiments.config import RayExperiment, load_experiment
 from experiments.space import parse_space
 from gptcore.errors import UserError
 
@@ -59,6 +60,7 @@ def plan_cli(
     """`address` (already resolved: `--address` or $RAY_ADDRESS) sizes the plan to that cluster,
     or to the most its autoscaler can add; else `cpus` / `gpus`, else this machine."""
     cfg = load_experiment(config, overrides)
+    limit = sweep_limit(cfg)
     space = parse_space(cfg)
     if cfg.sweep.baseline:
         space.baseline(cfg)  # the sweep would refuse a baseline outside its space: so does the plan
@@ -113,16 +115,20 @@ def plan_cli(
     )
     used = wall * width / 3600
     print(f"  cost         ~{used * per_trial_gpus:.2f} GPU-hours, ~{used * per_trial_cpus:.2f} CPU-hours")
-    if cfg.sweep.budget:
-        budget = parse_duration(cfg.sweep.budget)
-        if wall > budget:
+    if limit:  # a budget in tokens counts what the trials train; ASHA's expected tokens are the need
+        need, share = (
+            (f"~{tokens:,.0f} tokens", tokens / limit.amount)
+            if limit.tokens
+            else (f"~{_hours(wall)}", wall / limit.amount)
+        )
+        worth = f" ({limit.amount / max_t:.1f} full trials' worth)" if limit.tokens else ""
+        if share > 1:
             print(
-                f"warning: the plan needs ~{_hours(wall)} but sweep.budget is "
-                f"{cfg.sweep.budget}; trials will be cut off. Lower sweep.num_samples or "
-                "train.max_tokens, or raise the budget"
+                f"warning: the plan needs {need} but sweep.budget is {cfg.sweep.budget}{worth}; trials "
+                "will be cut off. Lower sweep.num_samples or train.max_tokens, or raise the budget"
             )
         else:
-            print(f"  budget       {cfg.sweep.budget}: fits ({100 * wall / budget:.0f}% of it)")
+            print(f"  budget       {cfg.sweep.budget}{worth}: fits ({100 * share:.0f}% of it)")
     return 0
 
 

@@ -112,7 +112,7 @@ def _row(
 def _fixed_cost(trial_id: str, events: list[dict[str, Any]], last: dict[str, Any]) -> dict[str, float]:
     """Start-up: the trial's last start event to its `fit_start_unix` (the loop's first step);
     wind-down: its last report to its end event. NaN where an event is missing."""
-    mine = [e for e in events if e["trial_id"] == trial_id]
+    mine = [e for e in events if e.get("trial_id") == trial_id]  # not the sweep's `budget_spent`
     starts = [e["unix"] for e in mine if e["event"] == "start"]
     ends = [e["unix"] for e in mine if e["event"] == "end"]
     fit_start, reported = last.get("fit_start_unix"), last.get("report_unix")

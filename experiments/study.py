@@ -166,7 +166,7 @@ def delete_study(url: str, name: str) -> None:
 
 
 def close_unfinished(url: str, name: str, cut: dict[str, dict[str, Any]]) -> None:
-    """End the trials that a finished sweep left RUNNING in its study. Those the time budget
+    """End the trials that a finished sweep left RUNNING in its study. Those the sweep's budget
     ended (`cut`: Tune trial id -> last report; Tune tells no searcher about them) are "cut by
     budget", PRUNED like ASHA's stops; a trial asked that never ran (the budget ended the sweep
     first) is an error."""

@@ -19,6 +19,7 @@ from experiments.budget import (
     concurrency,
     grace_tokens,
     local_extra_cpus,
+    sweep_limit,
     trial_bundles,
     trial_footprint,
     trial_tokens,
@@ -90,6 +91,7 @@ def plan_sweep(
     from experiments.study import check_new_study
 
     cfg = checked_for_workers(load_experiment(config, overrides))
+    sweep_limit(cfg)  # a token budget that one report spends
     space = parse_space(cfg)
     if cfg.sweep.baseline:
         space.baseline(cfg)
@@ -147,7 +149,7 @@ def run_sweep(plan: SweepPlan) -> int:
         )
         if plan.history:
             print(plan.history.note, flush=True)
-        new_tuner(cfg, plan.space, exp_dir, width, history=plan.history).fit()
+        new_tuner(cfg, plan.space, exp_dir, width, budget=sweep_limit(cfg), history=plan.history).fit()
     return finish(cfg, plan.space, exp_dir)
 
 
@@ -210,7 +212,7 @@ def run_resume(plan: SweepPlan) -> int:
 
 def finish(cfg: RayExperiment, space: Space, exp_dir: Path) -> int:
     """The summary table, the per-trial fixed costs, best.toml and the best checkpoint's path;
-    the trials that the time budget ended are recorded in the study first (Tune tells no
+    the trials that the sweep's budget ended are recorded in the study first (Tune tells no
     searcher about them), so that the table and the study agree."""
     from experiments.study import close_unfinished
 
@@ -222,6 +224,7 @@ def finish(cfg: RayExperiment, space: Space, exp_dir: Path) -> int:
     best = best_trial(trials)
     if best is None:
         if trials and all(t["status"] == "cut by budget" and not t["tokens"] for t in trials):
+            # Only a wall-clock budget: a budget in tokens is counted from the trials' reports.
             print(
                 f"sweep.budget={cfg.sweep.budget} ran out before any trial reported a validation "
                 "loss (Ray's and the trials' start-up count towards it): give the sweep a larger budget"

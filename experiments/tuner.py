@@ -11,7 +11,7 @@ from typing import Any
 
 from experiments import remote
 from experiments.budget import grace_tokens, is_lean, startup_trials, trial_resources, trial_tokens
-from experiments.config import RayExperiment, SweepConfig, parse_duration
+from experiments.config import RayExperiment, SweepConfig, SweepLimit
 from experiments.experiment import RUNS_DIR, study_url, trial_dirname
 from experiments.objective import METRIC, MODE
 from experiments.record import read_records, replay_result
@@ -32,18 +32,19 @@ def new_tuner(
     *,
     tune_config: Any = None,
     param_space: dict | None = None,
-    stop: Any = None,
+    budget: SweepLimit | None = None,
     tracking_name: str = "",
     history: History | None = None,
 ) -> Any:
     """The Tuner of experiment `exp_dir`: one `run_trial` per trial, `space.overrides(config)`
     turning a trial's config into config values. The search defaults to TPE + ASHA from
     `cfg.sweep` (`search_config`, its study starting with the warm-start `history`); `gptrun
-    confirm` and the benchmarks pass their own. Trackers log under `tracking_name` (default: the
-    experiment's name)."""
+    confirm` and the benchmarks pass their own. `budget` ends the whole experiment
+    (`SweepBudget`): the sweep's is `sweep_limit(cfg)`, a confirm has none. Trackers log under
+    `tracking_name` (default: the experiment's name)."""
     from ray import tune
 
-    from experiments.events import TrialEvents
+    from experiments.events import SweepBudget, TrialEvents
     from experiments.newest_checkpoint import NewestCheckpoints
 
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's table reporter, not the new UI
@@ -63,7 +64,7 @@ def new_tuner(
         mode=MODE,  # not sort_by_metric: it crashes on a trial ended before its first report
     )
     callbacks = [
-        TrialEvents(exp_dir, trial_tokens(cfg), tune_config.time_budget_s),  # confirm: no budget
+        TrialEvents(exp_dir, trial_tokens(cfg)),
         NewestCheckpoints(exp_dir, study_url(cfg, exp_dir)),  # each trial from its newest checkpoint
         *tracking_callbacks(cfg, tracking_name or exp_dir.name, exp_dir),
     ]
@@ -77,7 +78,7 @@ def new_tuner(
             storage_path=storage_path,
             progress_reporter=reporter,
             verbose=1,
-            stop=stop,
+            stop=SweepBudget(exp_dir, budget) if budget else None,
             callbacks=callbacks,
             checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints or None),
             failure_config=tune.FailureConfig(max_failures=1),
@@ -123,8 +124,7 @@ def trainable(cfg: RayExperiment, space: Any, exp_dir: Path, ended: dict[str, di
 
 def search_config(cfg: RayExperiment, space: Space, exp_dir: Path, history: History | None = None) -> Any:
     """TPE (`tpe_sampler`; the baseline as its first point) writing its study to `study_url`,
-    which starts with the warm-start `history` if any, and ASHA on tokens, within the sweep's
-    time budget."""
+    which starts with the warm-start `history` if any, and ASHA on tokens."""
     from ray import tune
 
     from experiments.events import RecordingASHA
@@ -155,10 +155,7 @@ def search_config(cfg: RayExperiment, space: Space, exp_dir: Path, history: Hist
         metric=METRIC,
         mode=MODE,
     )
-    budget = parse_duration(cfg.sweep.budget) if cfg.sweep.budget else None
-    return tune.TuneConfig(
-        search_alg=searcher, scheduler=scheduler, num_samples=cfg.sweep.num_samples, time_budget_s=budget
-    )
+    return tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=cfg.sweep.num_samples)
 
 
 def tpe_sampler(sweep: SweepConfig, space: Space) -> Any:

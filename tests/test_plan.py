@@ -40,6 +40,9 @@ def test_plan_prints_the_cost_and_warns_over_budget(tiny_data, tmp_path):
     assert "ASHA rungs   768, 2,304, 3,072 tokens" in proc.stdout
     proc = run_cli("plan", str(config), "--tokens-per-sec", "10", "--set", 'sweep.budget="1m"')
     assert proc.returncode == 0 and "warning: the plan needs" in proc.stdout
+    proc = run_cli("plan", str(config), "--tokens-per-sec", "10", "--set", 'sweep.budget="61440 tokens"')
+    assert proc.returncode == 0, proc.stderr  # 20 trials of 3,072 tokens; ASHA's 6 need fewer
+    assert "budget       61440 tokens (20.0 full trials' worth): fits (" in proc.stdout, proc.stdout
     assert_user_error(run_cli("plan", str(config), "--cpus", "0.5"), "one trial needs")
 
 
