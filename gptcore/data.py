@@ -2,7 +2,8 @@
 
 Batches are pure functions of their arguments, never of loader state: a training batch is
 fixed by (seed, step, micro, rank), so a resumed run sees exactly the batches it would have seen,
-and N DDP workers with batch B see exactly the windows one worker with batch N*B sees.
+and N DDP workers with batch B see exactly the windows one worker with batch N*B sees. The same
+purity lets `Prefetcher` build the next batches on a thread while the step runs.
 
 This module also holds the one definition of the data format's constants and of gptrun's cache
 folder. `prepare`, `config` and `corpora` import them and start without torch (~2 s), so torch
@@ -11,10 +12,15 @@ is imported where batches become tensors.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -197,3 +203,90 @@ def _shifted(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
     t = torch.from_numpy(windows.astype(np.int64))
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+Key = tuple[int, int]  # (batch index, micro-step): what a training micro-batch is a function of
+
+
+class Prefetcher:
+    """Training micro-batches built on a background thread while the step runs, in pinned memory
+    on CUDA so that the step's `.to(device, non_blocking=True)` copies without blocking the host.
+
+    `make(step=batch_index, micro=micro)` builds one micro-batch and is a pure function of its key
+    (see `draw`), so a batch built ahead is exactly the batch the step would build. `get(key)`
+    returns key's batch and queues the `depth` keys that follow it; a key it did not predict (a
+    resume, a rollback that moves the data position, a timing step that reads a batch again) is
+    built on request, and queued batches that no longer follow are dropped: what comes back
+    depends only on the key asked for, never on what was queued.
+
+    The thread is a daemon and holds no reference to the prefetcher, so it ends when the
+    prefetcher (its Trainer) is collected, whether the run ended or raised."""
+
+    def __init__(
+        self,
+        make: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+        grad_accum: int,
+        device: torch.device,
+        depth: int = 2,
+    ) -> None:
+        import torch  # see the module docstring
+
+        self.make, self.grad_accum, self.depth = make, grad_accum, depth
+        self.pin = device.type == "cuda"
+        gpu = None  # the GPU in whose context the thread pins: "cuda" is this thread's current one
+        if self.pin:
+            gpu = torch.cuda.current_device() if device.index is None else device.index
+        self.queued: dict[Key, Future] = {}
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=_serve, args=(self.requests, gpu), name="gptrun-batches", daemon=True
+        )
+        self.thread.start()
+        weakref.finalize(self, self.requests.put, None)  # the thread's signal to end
+
+    def get(self, batch_index: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch `micro` of batch `batch_index` (pinned on CUDA), the next ones queued."""
+        key = (batch_index, micro)
+        future = self.queued.pop(key, None) or self._submit(key)
+        ahead = self._following(key)
+        for stale in [k for k in self.queued if k not in ahead]:
+            self.queued.pop(stale).cancel()  # one already being built is built, then dropped
+        for k in ahead:
+            if k not in self.queued:
+                self.queued[k] = self._submit(k)
+        return future.result()
+
+    def _following(self, key: Key) -> list[Key]:
+        """The `depth` keys a run reads after `key`: the next micro-steps, then the next batch."""
+        keys = []
+        index, micro = key
+        for _ in range(self.depth):
+            index, micro = (index, micro + 1) if micro + 1 < self.grad_accum else (index + 1, 0)
+            keys.append((index, micro))
+        return keys
+
+    def _submit(self, key: Key) -> Future:
+        future: Future = Future()
+        self.requests.put((future, functools.partial(_build, self.make, key, self.pin)))
+        return future
+
+
+def _build(
+    make: Callable[..., tuple[torch.Tensor, torch.Tensor]], key: Key, pin: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = make(step=key[0], micro=key[1])
+    return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+
+
+def _serve(requests: queue.SimpleQueue, gpu: int | None) -> None:
+    """The prefetch thread: run each (future, job) in turn until a None arrives."""
+    import torch  # see the module docstring
+
+    if gpu is not None:
+        torch.cuda.set_device(gpu)  # else the thread would make a context on GPU 0 to pin in
+    for future, job in iter(requests.get, None):
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(job())
+            except BaseException as err:  # raised to the step that asks for this batch
+                future.set_exception(err)

@@ -56,6 +56,22 @@ def resolve_device(name: str, option: str = "train.device") -> torch.device:
     return torch.device(name)
 
 
+def use_tf32(device: torch.device) -> None:
+    """On CUDA, let fp32 matmuls and convolutions run on TF32 tensor cores (10-bit mantissa
+    inputs, fp32 accumulation): several times faster on Ampere and later, and what nanoGPT sets.
+    Under bf16 autocast it affects only the matmuls kept in fp32. A process-wide torch setting,
+    made where a run chooses its device; CPUs are left as they are (bit-exact resume is tested
+    there).
+
+    The legacy flags, not `torch.backends.cuda.matmul.fp32_precision`: torch refuses to read
+    `torch.get_float32_matmul_precision()` (as inductor does) once the two APIs are mixed."""
+    import torch
+
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 def device_argument(name: str) -> torch.device:
     """`resolve_device` as an argparse `type=` for a script's --device: a bad one is argparse's
     usage error (exit 2), naming the device and what is here."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import signal
 import threading
@@ -39,8 +40,8 @@ from gptcore import autocompile
 from gptcore.chat_data import ChatData, open_prepared
 from gptcore.checkpoint import load_checkpoint
 from gptcore.config import SHAPE_KEYS, ExperimentConfig, model_world_config, run_budget, run_length
-from gptcore.data import IGNORE_INDEX, TokenData
-from gptcore.device import resolve_device
+from gptcore.data import IGNORE_INDEX, Prefetcher, TokenData
+from gptcore.device import resolve_device, use_tf32
 from gptcore.errors import DivergedError, UserError
 from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
 from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
@@ -154,10 +155,22 @@ class Trainer:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.log = log if rank == 0 and log is not None else (lambda _msg: None)
         self.device = device or resolve_device(cfg.train.device)
+        use_tf32(self.device)
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         torch.manual_seed(cfg.train.seed)
         self.data = open_data(cfg)
+        t = cfg.train  # this rank's micro-batches, built ahead of the step (`_micro_batch`)
+        make = functools.partial(
+            self.data.train_batch,
+            seed=t.seed,
+            rank=rank,
+            world_size=world_size,
+            batch_size=t.batch_size,
+            grad_accum=t.grad_accum,
+            seq_len=cfg.model.seq_len,
+        )
+        self.batches = Prefetcher(make, t.grad_accum, self.device)
         self.model = GPT(cfg.model)
         self.lora_base: dict[str, str] | None = None  # a LoRA run's base checkpoint (path, weights hash)
         if cfg.train.init_from:
@@ -288,18 +301,10 @@ class Trainer:
         }
 
     def _micro_batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch `micro` of this rank's share of the current step's batch, on the device."""
-        t = self.cfg.train
-        x, y = self.data.train_batch(
-            seed=t.seed,
-            step=self.batch_index,
-            micro=micro,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=t.batch_size,
-            grad_accum=t.grad_accum,
-            seq_len=self.cfg.model.seq_len,
-        )
+        """Micro-batch `micro` of this rank's share of the current step's batch, on the device:
+        built ahead by `self.batches` while the previous step ran, and copied without blocking the
+        host (pinned memory) on CUDA."""
+        x, y = self.batches.get(self.batch_index, micro)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _on_bad_step(self, loss_value: float) -> None:

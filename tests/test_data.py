@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import pickle
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from gptcore import data as data_module
-from gptcore.data import TokenData
+from gptcore.data import Prefetcher, TokenData
 from gptcore.errors import UserError
 
 SEQ = 8
@@ -129,6 +130,58 @@ def test_ddp_and_grad_accum_slice_one_global_draw(data: TokenData) -> None:
             for r in range(2)
         ]
         assert torch.equal(torch.cat(micro), full)
+
+
+def prefetcher(data: TokenData, grad_accum: int = 2) -> tuple[Prefetcher, list[tuple[int, int]]]:
+    """A CPU prefetcher of `data`'s batches (batch 2 per micro-step), and the keys it built, in order."""
+    built: list[tuple[int, int]] = []
+
+    def make(*, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        built.append((step, micro))
+        return batch(data, step=step, micro=micro, batch_size=2, grad_accum=grad_accum)
+
+    return Prefetcher(make, grad_accum, torch.device("cpu")), built
+
+
+def test_prefetcher_returns_the_synchronous_batches_after_any_jump(data: TokenData) -> None:
+    """A run's reads in order, then what a resume, a rollback and a timing step ask for: a batch
+    read again, a jump back, a jump ahead. Every answer is the batch the synchronous path builds."""
+    ahead, _ = prefetcher(data)
+    reads = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 0), (0, 1), (1, 0), (7, 0), (7, 1), (3, 1), (4, 0)]
+    for step, micro in reads:
+        want = batch(data, step=step, micro=micro, batch_size=2, grad_accum=2)
+        got = ahead.get(step, micro)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (step, micro)
+
+
+def test_prefetcher_builds_the_next_batches_before_they_are_asked_for(data: TokenData) -> None:
+    ahead, built = prefetcher(data)
+    ahead.get(0, 0)
+    for future in ahead.queued.values():
+        future.result()  # the thread builds them without another get
+    assert built == [(0, 0), (0, 1), (1, 0)]
+    ahead.get(0, 1)  # predicted: nothing built on request, one more queued
+    ahead.queued[(1, 1)].result()
+    assert built == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_prefetcher_raises_the_builders_error_to_the_reader(data: TokenData) -> None:
+    ahead, _ = prefetcher(data)
+    with pytest.raises(ValueError, match="micro=5 rank=0 outside grad_accum=2"):
+        ahead.get(0, 5)
+    assert torch.equal(ahead.get(0, 0)[0], batch(data, grad_accum=2, batch_size=2)[0])  # still serving
+
+
+def test_prefetcher_thread_ends_with_its_prefetcher(data: TokenData) -> None:
+    """Nothing leaks when a Trainer ends or raises: dropping the prefetcher ends its thread."""
+    ahead, _ = prefetcher(data)
+    ahead.get(0, 0)
+    thread = ahead.thread
+    assert thread.daemon and thread.is_alive()
+    del ahead
+    gc.collect()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
 
 
 def test_val_windows_are_fixed_and_split_across_ranks(data: TokenData) -> None:

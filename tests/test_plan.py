@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.budget import asha_rungs, expected_tokens
+from experiments.budget import asha_rungs, concurrency, expected_tokens, trial_bundles, trial_resources
 from experiments.cli import build_parser, finite
 from experiments.config import load_experiment
 from experiments.space import parse_space
@@ -44,6 +44,15 @@ def test_plan_prints_the_cost_and_warns_over_budget(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stderr  # 20 trials of 3,072 tokens; ASHA's 6 need fewer
     assert "budget       61440 tokens (20.0 full trials' worth): fits (" in proc.stdout, proc.stdout
     assert_user_error(run_cli("plan", str(config), "--cpus", "0.5"), "one trial needs")
+
+
+def test_trials_may_share_a_gpu() -> None:
+    """resources.gpus_per_worker = 0.5: two one-worker trials on one GPU (benchmarks/gpu.sh runs
+    such a sweep), each reserving half of it from Ray."""
+    cfg = load_experiment(CONFIGS / "quickstart.toml", ["resources.gpus_per_worker=0.5"])
+    assert concurrency(cfg, cpus=16, gpus=1) == 2
+    assert trial_resources(cfg) == {"cpu": 1, "gpu": 0.5}
+    assert trial_bundles(cfg) == [{"CPU": 1, "GPU": 0.5}]
 
 
 @pytest.mark.parametrize("config", SWEPT, ids=[p.stem for p in SWEPT])
