@@ -29,24 +29,33 @@ class AdamW(torch.optim.Optimizer):
 
     Each line is one `torch._foreach_*` call over all parameters of a group (and device/dtype),
     so a step launches a handful of kernels instead of a handful per parameter.
-    State per parameter, as in torch: "step" (float32 scalar tensor on CPU), "exp_avg" (m),
-    "exp_avg_sq" (v).
+    State per parameter, as in torch: "step" (float32 scalar tensor on the parameter's device),
+    "exp_avg" (m), "exp_avg_sq" (v).
 
-    Speed: the denominator is computed in a scratch buffer kept between steps (not part of the
-    state). torch allocates it afresh every step; on a CPU those large allocations fault in new
-    pages each time and cost more than the arithmetic. The price is one parameter-sized buffer
-    held between steps.
+    No host syncs: the bias corrections are computed on the device from the step tensors (as
+    torch's capturable AdamW does), `lr` may be a device tensor, and `step(apply=flag)` takes a
+    0-dim bool device tensor: where it is False the step changes nothing (weights, moments, step
+    count), so a caller can skip a non-finite step without reading the flag on the host. The
+    arithmetic when the step applies is today's float for float: the same values in the same
+    order as the Python-scalar version, which matches `torch.optim.AdamW`.
+
+    Speed: the denominator and the update are computed in two scratch buffers kept between steps
+    (not part of the state). torch allocates them afresh every step; on a CPU those large
+    allocations fault in new pages each time and cost more than the arithmetic. The price is two
+    parameter-sized buffers held between steps. Skipping by a flag costs a pass over the
+    gradients, and the device step size one more pass (torch's addcdiv takes a Python number
+    only): 10 passes over the parameters where the host-sync version made 9.
     """
 
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ) -> None:
-        if not lr >= 0:
+        if not isinstance(lr, Tensor) and not lr >= 0:
             raise ValueError(f"invalid learning rate {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"invalid betas {betas}")
@@ -55,15 +64,16 @@ class AdamW(torch.optim.Optimizer):
         if not weight_decay >= 0:
             raise ValueError(f"invalid weight_decay {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self._scratch: dict[Tensor, Tensor] = {}
+        self._scratch: dict[Tensor, tuple[Tensor, Tensor]] = {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # pickling / deepcopy keep the state, not the scratch
         self._scratch = {}
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """One update of every parameter that has a gradient; returns closure()'s loss if given."""
+    def step(self, closure: Any = None, apply: Tensor | None = None) -> Any:
+        """One update of every parameter that has a gradient, unless `apply` (a 0-dim bool tensor
+        on the parameters' device) is False; returns closure()'s loss if given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -78,27 +88,24 @@ class AdamW(torch.optim.Optimizer):
                     raise RuntimeError("AdamW does not support sparse gradients")
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                scratch = self._scratch.get(p)
-                if scratch is None:
-                    scratch = self._scratch[p] = torch.empty_like(p)
-                bucket = buckets.setdefault((p.device, p.dtype), [[], [], [], [], [], []])
+                elif state["step"].device != p.device:  # loaded from a checkpoint: steps on the CPU
+                    state["step"] = state["step"].to(p.device)
+                if p not in self._scratch:
+                    self._scratch[p] = (torch.empty_like(p), torch.empty_like(p))
+                bucket = buckets.setdefault((p.device, p.dtype), [[], [], [], [], [], [], []])
                 for lst, t in zip(
                     bucket,
-                    (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], scratch),
+                    (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *self._scratch[p]),
                     strict=True,
                 ):
                     lst.append(t)
-            for params, grads, exp_avgs, exp_avg_sqs, steps, denom in buckets.values():
+            for tensors in buckets.values():
                 _adamw_foreach(
-                    params,
-                    grads,
-                    exp_avgs,
-                    exp_avg_sqs,
-                    steps,
-                    denom,
+                    *tensors,
+                    apply=apply,
                     lr=group["lr"],
                     beta1=group["betas"][0],
                     beta2=group["betas"][1],
@@ -115,41 +122,55 @@ def _adamw_foreach(
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
     denom: list[Tensor],
+    update: list[Tensor],
     *,
-    lr: float,
+    apply: Tensor | None,
+    lr: float | Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW update of tensors sharing a device and dtype (the math in `AdamW`'s doc);
-    `denom` is scratch space shaped like `params`."""
-    # The step counters live on the CPU; one wrapped 1.0 avoids re-wrapping it per tensor.
-    torch._foreach_add_(steps, torch.tensor(1.0), alpha=1.0)
+    """One AdamW update of tensors sharing a device and dtype (the math in `AdamW`'s doc), or no
+    change where `apply` is False. `denom` and `update` are scratch space shaped like `params`.
+    Every factor is a device tensor (no host sync), rounded to the parameters' dtype before use as
+    the Python-float factors of torch's AdamW are.
+
+    A skipped step multiplies by 1 and adds 0: its gradients (non-finite, or there would be no
+    skip) are zeroed first, and the moments' weights, the decay and the step size are 0."""
+    dtype, device = params[0].dtype, params[0].device
+    exact = scalar_dtype(device)
+    on = torch.ones((), dtype=exact, device=device)  # 1 where the step applies, else 0
+    if apply is not None:
+        on = apply.to(exact)
+        for g in grads:
+            g.masked_fill_(~apply, 0.0)
+    torch._foreach_add_(steps, [on] * len(steps))
     if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        torch._foreach_mul_(params, 1 - lr * weight_decay * on)
+    torch._foreach_lerp_(exp_avgs, grads, [((1 - beta1) * on).to(dtype)] * len(grads))
+    torch._foreach_mul_(exp_avg_sqs, torch.where(on == 0, 1.0, beta2).to(dtype))
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)  # adds 0 when skipped
 
-    # Bias corrections are plain floats. Parameters normally share their step count, so compute
-    # them once; when counts differ (a parameter that missed some gradients), one per tensor.
-    step_values = [s.item() for s in steps]
-    if all(t == step_values[0] for t in step_values):
-        step_values = step_values[:1]
-    step_size = [-lr / (1 - beta1**t) for t in step_values]
-    bias_correction2_sqrt = [(1 - beta2**t) ** 0.5 for t in step_values]
+    # Bias corrections, one per tensor: a parameter that missed some gradients lags in steps.
+    t = torch.stack(steps).to(exact)
+    step_size = list((-lr / (1 - beta1**t) * on).unbind())
+    bias_correction2_sqrt = list((1 - beta2**t).sqrt().unbind())
 
-    torch._foreach_copy_(denom, exp_avg_sqs)
-    torch._foreach_sqrt_(denom)
-    if len(step_values) == 1:
-        torch._foreach_div_(denom, bias_correction2_sqrt[0])
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size[0])
-    else:
-        torch._foreach_div_(denom, bias_correction2_sqrt)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+    for d, v, u, m, s in zip(denom, exp_avg_sqs, update, exp_avgs, step_size, strict=True):
+        torch.sqrt(v, out=d)  # one pass each, where a foreach op would need a copy first
+        torch.mul(m, s, out=u)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    # p + (step_size * m) / denom: torch's addcdiv with a Python step size computes it in this order
+    torch._foreach_addcdiv_(params, update, denom, 1.0)
+
+
+def scalar_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the optimizer's scalars (lr, bias corrections) computed on `device`: float64,
+    as Python floats are, so the values match a host computation; float32 on mps, which has no
+    float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def param_groups(
@@ -197,8 +218,9 @@ def param_groups(
     return [g for g in groups if g["params"]]
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set the scheduled `lr` on every group, times the group's `lr_mult` (µP's hidden matrices)."""
+def set_lr(optimizer: torch.optim.Optimizer, lr: float | Tensor) -> None:
+    """Set the scheduled `lr` (a number, or a 0-dim device tensor for `AdamW`) on every group,
+    times the group's `lr_mult` (µP's hidden matrices)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_mult", 1.0)
 

@@ -12,6 +12,11 @@ one exactly on CPU. Ctrl-C is held until the step in progress (and its evaluatio
 due) has finished, so an interrupt checkpoint is always taken between steps and after the
 evaluations up to its step.
 
+Host syncs: a step never reads a value back from the device (on a GPU the CPU queues the next
+steps while one runs). The divergence guard skips a non-finite step by a device-side flag, and the
+host reads the queued steps' outcomes once per log interval, at evaluations and at the end
+(`fit`'s `catch_up`), where it counts, logs and rolls back exactly as if it had read every step.
+
 Clocks: `step` counts optimizer steps and is the lr schedule's position, so a rollback sets it
 back to the checkpoint's step. `tokens` (`tokens_seen`) counts the tokens of every applied step,
 including steps that a rollback later undid: it never decreases, and it is the clock a scheduler
@@ -46,7 +51,7 @@ from gptcore.errors import DivergedError, UserError
 from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
 from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
 from gptcore.model import GPT
-from gptcore.optim import AdamW, lr_at, param_groups, set_lr
+from gptcore.optim import AdamW, lr_at, param_groups, scalar_dtype, set_lr
 from gptcore.tokenizer import token_byte_lengths
 
 SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio", "decay_fraction")  # optim.*
@@ -220,6 +225,14 @@ class Trainer:
         self.best_val_loss = math.inf
         self.resumed_from = 0  # the step this process started at (0 for a fresh run)
         self._snapshot: dict[str, Any] | None = None  # last checkpoint, for rollbacks
+        # The guard's device side (see `train_step`): the lr of every step, and the step, streak
+        # and lr scale that the queued steps advance before the host reads their outcome.
+        exact = scalar_dtype(self.device)
+        schedule = [lr_at(s, self.total_steps, cfg.optim) for s in range(self.total_steps + 1)]
+        self._lr_table = torch.tensor(schedule, dtype=exact, device=self.device)
+        self._device_step = torch.zeros((), dtype=torch.long, device=self.device)
+        self._device_streak = torch.zeros((), dtype=torch.long, device=self.device)
+        self._device_lr_scale = torch.ones((), dtype=exact, device=self.device)
         if cfg.train.init_from:
             self.log(f"weights from {cfg.train.init_from}" + (f" | {lora_summary}" if cfg.lora.rank else ""))
 
@@ -244,11 +257,18 @@ class Trainer:
         self.model.load_state_dict(model_from_state(state).state_dict())
 
     # ---------------------------------------------------------------- the training step
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over `grad_accum` micro-batches. A non-finite loss or gradient
-        skips the batch (no update) and counts towards the rollback guard."""
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over `grad_accum` micro-batches, queued without waiting for the
+        device. A non-finite loss or gradient skips the update by a device-side flag (the host
+        never reads it here), and the guard's streak and lr scale advance on the device too, so
+        the steps queued after a skip use the lr today's guard would. The host learns the outcome
+        at the next `_read_outcomes` (once per log interval) and does its part of the guard then.
+
+        Returns the step's record: loss (this rank's), grad_norm, lr and applied as device tensors,
+        the batch index and the seconds spent building batches."""
         t, o = self.cfg.train, self.cfg.optim
-        lr = lr_at(self.step, self.total_steps, o) * self.lr_scale
+        index = self._device_step.clamp(max=self.total_steps)  # past the end: a test's extra steps
+        lr = torch.take(self._lr_table, index) * self._device_lr_scale
         set_lr(self.optimizer, lr)
         self.step_model.train()
         torch.manual_seed(dropout_seed(t.seed, self.rank, self.batch_index))
@@ -269,36 +289,75 @@ class Trainer:
                 _, loss = self.step_model(x, y)
                 (loss / t.grad_accum).backward()
             loss_sum += loss.detach()
+        batch = self.batch_index
         self.batch_index += 1
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = o.grad_clip if o.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         loss = loss_sum / t.grad_accum
-        if self.world_size > 1:  # every rank must agree whether to skip
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        loss_value, norm_value = loss.item(), grad_norm.item()
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            self.optimizer.zero_grad(set_to_none=True)
-            self._on_bad_step(loss_value)
-            return {
-                "loss": loss_value,
-                "grad_norm": norm_value,
-                "lr": lr,
-                "skipped": 1.0,
-                "data_seconds": data_seconds,
-            }
-        self.optimizer.step()
+        finite = torch.isfinite(loss).float()
+        if self.world_size > 1:  # every rank must agree whether to skip; the reduce does not wait
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        applied = (finite > 0) & torch.isfinite(grad_norm)  # the norm is the same on every rank
+        self.optimizer.step(apply=applied)
         self.optimizer.zero_grad(set_to_none=True)
-        self.bad_streak = 0
-        self.step += 1
-        self.tokens_seen += self.tokens_per_step
+        # The guard's device side: a streak of max_bad_steps halves the lr scale. The host rolls
+        # the weights back (if it has a snapshot) when it reads the flags.
+        self._device_step += applied
+        streak = torch.where(applied, 0, self._device_streak + 1)
+        rollback = streak >= t.max_bad_steps
+        self._device_lr_scale = torch.where(rollback, self._device_lr_scale * 0.5, self._device_lr_scale)
+        self._device_streak = torch.where(rollback, 0, streak)
         return {
-            "loss": loss_value,
-            "grad_norm": norm_value,
+            "loss": loss,
+            "grad_norm": grad_norm,
             "lr": lr,
-            "skipped": 0.0,
+            "applied": applied,
+            "batch": batch,
             "data_seconds": data_seconds,
         }
+
+    def _read_outcomes(self, records: list[dict[str, Any]]) -> list[dict[str, float]]:
+        """The host's read of queued steps: one host sync for all of them (and under DDP one
+        all-reduce of their losses, the loss being averaged over ranks only when it is read)."""
+        losses = torch.stack([r["loss"] for r in records])
+        if self.world_size > 1:
+            dist.all_reduce(losses, op=dist.ReduceOp.AVG)
+        columns = [losses] + [torch.stack([r[k] for r in records]) for k in ("grad_norm", "lr", "applied")]
+        rows = torch.stack([c.to(self._lr_table.dtype) for c in columns], dim=1).tolist()
+        return [
+            {
+                "loss": loss,
+                "grad_norm": norm,
+                "lr": lr,
+                "skipped": 1.0 - applied,
+                "data_seconds": r["data_seconds"],
+                "batch": float(r["batch"]),
+            }
+            for (loss, norm, lr, applied), r in zip(rows, records, strict=True)
+        ]
+
+    def _account(self, outcome: dict[str, float]) -> bool:
+        """The host's part of the guard for one step whose outcome it has read: count an applied
+        step, or skip, roll back or give up (`_on_bad_step`). True when a rollback restored the
+        snapshot: the steps queued after this one trained from the wrong weights and are dropped,
+        and the data position moves back to the batch after this one (batches and dropout are
+        functions of the batch index, so the run goes on exactly as if the host had known)."""
+        if not outcome["skipped"]:
+            self.bad_streak = 0
+            self.step += 1
+            self.tokens_seen += self.tokens_per_step
+            return False
+        if not self._on_bad_step(outcome["loss"]):
+            return False
+        self.batch_index = int(outcome["batch"]) + 1
+        return True
+
+    def _guard_to_device(self) -> None:
+        """Copy the host's exact step, streak and lr scale to the device side of the guard."""
+        self._device_step.fill_(self.step)
+        self._device_streak.fill_(self.bad_streak)
+        self._device_lr_scale.fill_(self.lr_scale)
 
     def _micro_batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch `micro` of this rank's share of the current step's batch, on the device:
@@ -307,8 +366,9 @@ class Trainer:
         x, y = self.batches.get(self.batch_index, micro)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def _on_bad_step(self, loss_value: float) -> None:
-        """The recipe's guard: skip, then roll back and halve the lr, then give up."""
+    def _on_bad_step(self, loss_value: float) -> bool:
+        """The recipe's guard: skip, then roll back and halve the lr, then give up. True when the
+        weights were rolled back to the snapshot."""
         self.bad_steps += 1
         self.bad_streak += 1
         self.log(
@@ -316,14 +376,15 @@ class Trainer:
             f"({self.bad_streak} in a row)"
         )
         if self.bad_streak < self.cfg.train.max_bad_steps:
-            return
+            return False
         if self.rollbacks >= self.cfg.train.max_rollbacks:
             raise DivergedError(
                 f"loss was non-finite for {self.bad_streak} steps in a row after "
                 f"{self.rollbacks} rollbacks (lr scale {self.lr_scale:g}); "
                 "lower optim.lr or raise optim.warmup"
             )
-        if self._snapshot is not None:  # data moves on: the bad batches stay skipped
+        restored = self._snapshot is not None
+        if restored:  # data moves on: the bad batches stay skipped
             self._restore_weights(self._snapshot)
         self.rollbacks += 1
         self.lr_scale *= 0.5
@@ -332,6 +393,7 @@ class Trainer:
             f"warning: rolled back to step {self.step} with lr scale {self.lr_scale:g} "
             f"(rollback {self.rollbacks}/{self.cfg.train.max_rollbacks})"
         )
+        return restored
 
     # ---------------------------------------------------------------- torch.compile
     def _choose_compile(self) -> str:
@@ -456,11 +518,16 @@ class Trainer:
         metrics: dict[str, float] = {}
         reported_step = -1
         window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
-        while self.step < end:
-            # Ctrl-C waits for the step and its scheduled evaluation: a checkpoint taken between
-            # the two would resume after the step, and its evaluation would never be recorded.
-            with hold_interrupts():
-                step_metrics = self.train_step()
+        queued: list[dict[str, Any]] = []  # steps whose outcome the host has not read yet
+
+        def catch_up() -> None:
+            """Read the queued steps' outcomes (the host sync) and do, step by step, what the
+            host does after each: the guard, the progress line, the evaluation."""
+            nonlocal metrics, reported_step, window_start, window_steps, window_data
+            outcomes = self._read_outcomes(queued) if queued else []
+            queued.clear()
+            for step_metrics in outcomes:
+                rewound = self._account(step_metrics)
                 window_steps += 1
                 window_data += step_metrics["data_seconds"]
                 reporting = self.step % t.eval_interval == 0 or self.step == self.total_steps
@@ -473,6 +540,28 @@ class Trainer:
                     metrics = self._report(metrics, on_report)
                     reported_step = self.step
                     window_start = time.perf_counter()  # eval time is not training time
+                if rewound:
+                    break
+            self._guard_to_device()
+
+        self._guard_to_device()
+        try:
+            while self.step < end:
+                # Ctrl-C waits for the step and its scheduled evaluation: a checkpoint taken
+                # between the two would resume after the step, and its evaluation would never
+                # be recorded.
+                with hold_interrupts():
+                    queued.append(self.train_step())
+                    # The host reads the outcomes only where it may have something to do: where
+                    # the step would reach a log, eval or end point if every queued step applied.
+                    # An applied step can reach such a point only there; a skipped one there or
+                    # in between (its progress line is then logged late, in order).
+                    ahead = self.step + len(queued)
+                    if ahead % t.log_interval == 0 or ahead % t.eval_interval == 0 or ahead >= end:
+                        catch_up()
+        except KeyboardInterrupt:  # the caller checkpoints: the host state must be exact
+            catch_up()
+            raise
         if reported_step != self.step:  # stopped between evals: report and checkpoint here
             base = {"step": float(self.step), "tokens": float(self.tokens_seen)}
             metrics = self._report({**metrics, **base}, on_report, checkpoint=True)
@@ -566,12 +655,15 @@ class Trainer:
     def state_dict(self, metrics: dict[str, float] | None = None) -> dict[str, Any]:
         """Everything a resume needs, as CPU tensors and plain values (weights_only-loadable)."""
         rng = {"torch": torch.get_rng_state()}
+        optimizer = _to_cpu(self.optimizer.state_dict())
+        for group in optimizer["param_groups"]:  # a device tensor while training, a number here
+            group["lr"] = float(group["lr"])
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return copy.deepcopy(
             {
                 "model": self._weights(),
-                "optimizer": _to_cpu(self.optimizer.state_dict()),
+                "optimizer": optimizer,
                 "step": self.step,
                 "batch_index": self.batch_index,
                 "tokens_seen": self.tokens_seen,
@@ -615,6 +707,7 @@ class Trainer:
         self._restore_weights(state)
         for key in ("batch_index", "tokens_seen", "lr_scale", "bad_steps", "rollbacks", "best_val_loss"):
             setattr(self, key, state[key])
+        self._guard_to_device()
         self.resumed_from = self.step
         self._snapshot = state
         saved_precision = state.get("precision")  # absent from checkpoints older than the key

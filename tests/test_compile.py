@@ -48,7 +48,7 @@ def losses_of(trainer: Trainer, **fit) -> list[float]:
 
     def recording() -> dict[str, float]:
         metrics = original()
-        losses.append(metrics["loss"])
+        losses.append(float(metrics["loss"]))
         return metrics
 
     trainer.train_step = recording

@@ -42,13 +42,14 @@ def make_config(tiny_data, tmp_path, *overrides: str):
 
 
 def record_steps(trainer: Trainer) -> list[dict[str, float]]:
-    """Wrap train_step so every step's metrics are kept."""
+    """Wrap train_step so every step's metrics are kept, read as numbers."""
     steps: list[dict[str, float]] = []
     step = trainer.train_step
 
-    def recording() -> dict[str, float]:
-        steps.append(step())
-        return steps[-1]
+    def recording() -> dict:
+        record = step()
+        steps.append({k: float(v) for k, v in record.items()})
+        return record
 
     trainer.train_step = recording
     return steps
@@ -73,7 +74,7 @@ def test_grad_accumulation_matches_one_big_batch(tiny_data, tmp_path):
     small.model.load_state_dict(big.model.state_dict())
     big_grads, small_grads = capture_grads(big), capture_grads(small)
     for _ in range(3):
-        assert big.train_step()["loss"] == pytest.approx(small.train_step()["loss"], abs=1e-6)
+        assert big.train_step()["loss"].item() == pytest.approx(small.train_step()["loss"].item(), abs=1e-6)
     for step_a, step_b in zip(big_grads, small_grads, strict=True):
         for a, b in zip(step_a, step_b, strict=True):
             assert torch.allclose(a, b, atol=1e-6, rtol=0)
@@ -135,7 +136,7 @@ def test_bf16_tracks_the_fp32_loss_curve(tiny_data, tmp_path):
         cfg = make_config(tiny_data, tmp_path, "train.max_steps=20", f"train.precision={precision}")
         trainers[precision] = Trainer(cfg, log=None)
         dtypes[precision] = record_forward_dtypes(trainers[precision])
-        curves[precision] = [trainers[precision].train_step()["loss"] for _ in range(20)]
+        curves[precision] = [trainers[precision].train_step()["loss"].item() for _ in range(20)]
     assert set(dtypes["fp32"]) == {(torch.float32, torch.float32)}
     assert set(dtypes["bf16"]) == {(torch.bfloat16, torch.float32)}  # matmuls bf16, loss fp32
     for losses in curves.values():
