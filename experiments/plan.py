@@ -39,9 +39,11 @@ def probe_tokens_per_sec(cfg: RayExperiment) -> float:
     try:
         trainer = Trainer(cfg, log=None)
         trainer.train_step()
+        trainer.synchronize()
         start = time.perf_counter()
         for _ in range(PROBE_STEPS):
             trainer.train_step()
+        trainer.synchronize()  # a step returns once its work is queued on the device
         elapsed = time.perf_counter() - start
     finally:
         torch.set_num_threads(threads)

@@ -448,17 +448,18 @@ class Trainer:
         RNG, which every step seeds anew)."""
         x, y = self._micro_batch(0)
         model.train()
-        self._synchronize()
+        self.synchronize()
         start = time.perf_counter()
         with autocast(self.device, self.precision):
             _, loss = model(x, y)
         loss.backward()
-        self._synchronize()
+        self.synchronize()
         seconds = time.perf_counter() - start
         self.optimizer.zero_grad(set_to_none=True)
         return seconds
 
-    def _synchronize(self) -> None:
+    def synchronize(self) -> None:
+        """Wait for the device: steps queue their work and return before it is done."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
