@@ -37,6 +37,10 @@ from tests.conftest import (
 )
 
 WAIT_S = 20.0  # GPTRUN_RESOURCE_WAIT_S given to the CLI in these tests (the default)
+# What a refused address may take: the wait, plus the CLI's own start-up (importing torch and Ray
+# took up to 21 s on 2 cores busy with other tests). Ray's own retries of an address that is not
+# a head go on far longer; that our probe answered is shown by its one line.
+BOUND_S = WAIT_S + 30
 
 
 def free_port() -> int:
@@ -95,7 +99,7 @@ def test_train_against_a_web_server_is_one_line_within_the_wait(tiny_data, tmp_p
             clean_env(tmp_path),
         )
     assert_user_error(proc, f"127.0.0.1:{port}", "not a Ray head")
-    assert took < WAIT_S, took
+    assert took < BOUND_S, took
     assert not storage.exists() and not storage.parent.exists()
 
 
@@ -108,7 +112,7 @@ def test_sweep_against_nothing_is_one_line_and_creates_nothing(tiny_data, tmp_pa
         clean_env(tmp_path),
     )
     assert_user_error(proc, f"nothing answers at --address 127.0.0.1:{port}")
-    assert took < WAIT_S, took
+    assert took < BOUND_S, took
     assert not storage.exists()
 
 
@@ -121,7 +125,7 @@ def test_sweep_against_a_web_server_is_one_line(tiny_data, tmp_path):
             clean_env(tmp_path),
         )
     assert_user_error(proc, "not a Ray head")
-    assert took < WAIT_S, took
+    assert took < BOUND_S, took
     assert not storage.exists()
 
 
@@ -179,7 +183,7 @@ def test_ray_address_is_the_cluster_checked_not_this_machine(tiny_data, tmp_path
     args = [command, str(config), "--storage", str(tmp_path / "out"), "--set", "resources.gpus_per_worker=1"]
     proc, took = run_clean(args, clean_env(tmp_path, RAY_ADDRESS=f"127.0.0.1:{port}"))
     assert_user_error(proc, f"nothing answers at --address 127.0.0.1:{port}")
-    assert took < WAIT_S, took
+    assert took < BOUND_S, took
     assert not (tmp_path / "out").exists()
 
 
@@ -335,7 +339,7 @@ def test_client_without_the_token_is_refused(two_nodes, tiny_data, tmp_path, tok
         ["train", str(config), "--address", two_nodes.address, "--storage", str(storage)], env
     )
     assert_user_error(proc, f"the Ray cluster at {two_nodes.address} refused this client")
-    assert took < WAIT_S and not storage.exists()
+    assert took < BOUND_S and not storage.exists()
 
 
 @pytest.mark.slow
