@@ -12,11 +12,14 @@ dense bf16 peak on GPU, for fp32 too). A compiled variant compiles the model as 
 on the node); its compile seconds are the first step's time less a compiled step's. `--profile`
 then profiles a few steps of each variant and prints where their time goes (see
 benchmarks/step_profile.py). `--baseline nanogpt` adds nanoGPT's own model.py (vendored in
-benchmarks/vendor, bias=True, dropout 0) with the AdamW its `configure_optimizers` makes, in fp32
-eager as nanoGPT trains on a CPU, at the preset's shape, and prints each variant's speed over it.
+benchmarks/vendor, bias=True, dropout 0) with the AdamW its `configure_optimizers` makes, at the
+preset's shape, in two arms: fp32 eager as nanoGPT trains on a CPU, and nanoGPT at its best,
+`torch.compile`d in the precision `train.precision = "auto"` picks on the device (bf16 autocast,
+nanoGPT's `dtype = 'bfloat16'`, where bf16 matmuls are fast; fp32 on a CPU that emulates bf16); it
+prints each variant's speed over both.
 
     python benchmarks/step.py [--device cpu|cuda] [--presets quickstart minimind-26m]
-                              [--precision fp32,bf16] [--optimizers torch,ours]
+                              [--precision fp32,bf16,auto] [--optimizers torch,ours]
                               [--modes eager,compiled] [--baseline nanogpt]
                               [--set model.KEY=VALUE ...]
                               [--batch-size B] [--seq-len T] [--steps N] [--warmup W]
@@ -46,7 +49,7 @@ from gptcore.errors import UserError
 from gptcore.mfu import device_peak_flops, mfu
 from gptcore.model import GPT
 from gptcore.optim import AdamW, param_groups
-from gptcore.train import autocast
+from gptcore.train import autocast, resolve_precision
 
 # (batch, seq_len) per preset: small on CPU so both presets finish in about a minute.
 SHAPES = {
@@ -55,7 +58,7 @@ SHAPES = {
 }
 LABELS = {"torch": "torch AdamW(foreach)", "ours": "gptcore AdamW", "nanogpt": "nanoGPT + its AdamW"}
 SHORT = {"torch": "torch AdamW", "ours": "gptcore AdamW"}
-NANOGPT = ("fp32", "nanogpt", "eager")  # the --baseline variant
+NANOGPT_CPU = ("fp32", "nanogpt", "eager")  # --baseline: nanoGPT as it trains on a CPU
 
 
 def train_step(
@@ -132,7 +135,7 @@ def bench_preset(
     peaks: dict[str, float],
     profile: bool,
     sets: list[str],
-    baseline: bool,
+    baselines: list[tuple[str, str, str]],
 ) -> None:
     cfg = load_config(None, [f'model.preset="{preset}"', f"model.seq_len={seq_len}", *sets]).model
     torch.manual_seed(0)
@@ -141,9 +144,9 @@ def bench_preset(
     for model in models.values():
         model.load_state_dict(first.state_dict())
     optimizers = {v: make_optimizer(v[1], model) for v, model in models.items()}
-    if baseline:
-        models[NANOGPT], optimizers[NANOGPT] = nanogpt_baseline(cfg, device)
-        variants = [NANOGPT, *variants]
+    for v in baselines:
+        models[v], optimizers[v] = nanogpt_baseline(cfg, device)
+    variants = [*baselines, *variants]
     gen = torch.Generator(device=device).manual_seed(1)
     x, y = (
         torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen, device=device) for _ in range(2)
@@ -179,11 +182,11 @@ def bench_preset(
         compiled = f"{compiles[v][0]:.1f} / {compiles[v][1]:.1f}" if v in compiles else ""
         row = f"  {v[0]:<10}{LABELS[v[1]]:<22}{v[2]:<10}{seconds * 1e3:>9.1f}{rate[v]:>10.0f}"
         print(f"{row}{shown:>7}{compiled:>23}")
-    if baseline:
-        for v in variants[1:]:
-            ratio = rate[v] / rate[NANOGPT]
-            print(f"  ratio over nanoGPT fp32 (tokens/s), {v[0]}, {SHORT[v[1]]}, {v[2]:<9}{ratio:>10.3f}x")
-        variants = variants[1:]
+    variants = variants[len(baselines) :]
+    for base, v in itertools.product(baselines, variants):
+        ratio = rate[v] / rate[base]
+        over = f"nanoGPT {base[0]} {base[2]}"
+        print(f"  ratio over {over:<22}(tokens/s), {v[0]}, {SHORT[v[1]]}, {v[2]:<9}{ratio:>10.3f}x")
     precisions, names, modes = ({v[i] for v in variants} for i in range(3))
     for mode in sorted(modes, reverse=True):  # eager first
         if precisions == {"fp32", "bf16"}:
@@ -228,7 +231,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", type=device_argument, default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--presets", nargs="+", default=["quickstart", "minimind-26m"])
-    parser.add_argument("--precision", type=comma_list(("fp32", "bf16")), default=["fp32", "bf16"])
+    parser.add_argument(
+        "--precision",
+        type=comma_list(("fp32", "bf16", "auto")),
+        default=["fp32", "bf16"],
+        help="auto: what train.precision = auto picks on the device",
+    )
     parser.add_argument("--optimizers", type=comma_list(("torch", "ours")), default=["torch", "ours"])
     parser.add_argument("--modes", type=comma_list(("eager", "compiled")), default=["eager"])
     parser.add_argument("--batch-size", type=int, default=0, help="0: a per-preset default")
@@ -243,7 +251,9 @@ def main() -> None:
         "--profile", action="store_true", help="also print where each variant's step time goes"
     )
     parser.add_argument(
-        "--baseline", choices=["nanogpt"], help="also time nanoGPT's model.py + AdamW (fp32, eager)"
+        "--baseline",
+        choices=["nanogpt"],
+        help="also time nanoGPT's model.py + AdamW: fp32 eager, and compiled in auto's precision",
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="model.KEY=VALUE", help="a model key over the preset"
@@ -261,11 +271,15 @@ def main() -> None:
     warmup = args.warmup if args.warmup >= 0 else (1 if on_cpu else 5)
 
     peaks = {}
-    for precision in dict.fromkeys([*args.precision, *(["fp32"] if args.baseline else [])]):
+    precisions = list(dict.fromkeys(resolve_precision(p, device)[0] for p in args.precision))
+    baselines = []  # nanoGPT as it trains on a CPU, and at its best
+    if args.baseline:
+        baselines = [NANOGPT_CPU, (resolve_precision("auto", device)[0], "nanogpt", "compiled")]
+    for precision in dict.fromkeys([*precisions, *(v[0] for v in baselines)]):
         peaks[precision], desc = device_peak_flops(device, precision)
         print(f"device {device}, {precision} peak: {desc}")
-    variants = list(itertools.product(args.precision, args.optimizers, args.modes))
-    if "compiled" in args.modes:  # an empty inductor cache: the first compile is a cold one
+    variants = list(itertools.product(precisions, args.optimizers, args.modes))
+    if "compiled" in args.modes or args.baseline:  # an empty inductor cache: a cold first compile
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="step-bench-inductor-")
     if args.profile:  # compiled kernels report to the profiler under their fused ops' names
         torch._inductor.config.cpp.enable_kernel_profile = True
@@ -283,7 +297,7 @@ def main() -> None:
             peaks,
             args.profile,
             args.set,
-            args.baseline == "nanogpt",
+            baselines,
         )
 
 

@@ -8,7 +8,8 @@ when `TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1`, which `step.py --profile` sets
 - optimizer: everything in step.py's `optimizer` profiler region (clip_grad_norm, AdamW, zero_grad);
 - embeddings: the token and position embeddings and their backward;
 - logits + CE: log_softmax / nll_loss and every other op with a vocab-wide input (the tied
-  head's matmuls forward and backward, the fp32 copy of the logits, the tied weight's gradient sum);
+  head's matmuls forward and backward, the fp32 copy of the logits, the tied weight's gradient sum;
+  in gptrun's `LinearCrossEntropy` each chunk's logsumexp, softmax and gradient matmuls);
 - layer norm, attention (SDPA, the qkv and output projections), MLP (its two matmuls, GELU);
 - other: the rest (residual adds, dropout, views, autograd and Python between the ops).
 

@@ -177,6 +177,54 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
+LOSS_CHUNK_LOGITS = 2**20  # logits per chunk of the training loss: 4 MB in fp32, cache-sized on a CPU
+LOSS_MAX_CHUNKS = 16  # a compiled step unrolls the chunk loop: keep it short
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The summed cross-entropy of the logits `hidden @ weight.T` (rows, vocab) against `targets`,
+    with both gradients computed in the forward, over row chunks.
+
+    The plain path sends vocab-wide tensors through memory several times: the logits, their fp32
+    copy and log-softmax, and in the backward the gradient of each. Here each chunk of logits,
+    read once in fp32, gives its loss and at once its gradient, softmax - one_hot (the loss is a
+    sum, so that is the gradient up to the scalar the backward brings), which goes into the
+    gradients of `hidden` and `weight` while the chunk is still in cache; the backward only scales
+    them. Matmuls run in the ambient autocast dtype as in the plain path; the logsumexp and the
+    sum of the weight's gradient are fp32. Rows whose target is IGNORE_INDEX add nothing.
+    Returns (loss sum, logits): the logits, for callers that read them, carry no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, grads: bool) -> tuple[Tensor, Tensor]:
+        logits = hidden @ weight.t()
+        chunks = max(1, min(LOSS_MAX_CHUNKS, logits.numel() // LOSS_CHUNK_LOGITS))
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for z, h, t, gh in zip(
+            *(x.chunk(chunks) for x in (logits, hidden, targets, grad_hidden)), strict=True
+        ):
+            z = z.float()
+            keep = t != IGNORE_INDEX
+            t = t.masked_fill(~keep, 0)[:, None]
+            lse = z.logsumexp(dim=-1, keepdim=True)
+            total = total + ((lse - z.gather(1, t)).squeeze(1) * keep).sum()
+            if not grads:  # no_grad (evaluation): the loss only
+                continue
+            grad = (z - lse).exp_().scatter_add_(1, t, -torch.ones_like(lse)).mul_(keep[:, None])
+            grad = grad.to(logits.dtype)
+            gh.copy_(grad @ weight)
+            grad_weight += grad.t() @ h
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(logits)
+        return total, logits
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor, _grad_logits: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_total, grad_weight * grad_total, None, None
+
+
 class GPT(nn.Module):
     """Decoder-only language model; `cfg.style` picks the gpt2 or llama block (see module doc)."""
 
@@ -237,10 +285,10 @@ class GPT(nn.Module):
             kv_cache.length += T
         return self.norm_f(x)
 
-    def _logits(self, hidden: Tensor) -> Tensor:
-        """The tied readout; under µP of hidden x mup_output_mult / m (the same as scaling the logits,
-        as the head is linear)."""
-        return self.lm_head(hidden if self.logit_mult is None else hidden * self.logit_mult)
+    def _head_input(self, hidden: Tensor) -> Tensor:
+        """What the tied readout reads: under µP hidden x mup_output_mult / m (the same as scaling
+        the logits, as the head is linear)."""
+        return hidden if self.logit_mult is None else hidden * self.logit_mult
 
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, kv_cache: KVCache | None = None
@@ -249,14 +297,16 @@ class GPT(nn.Module):
 
         `targets` are already shifted by the loader (targets[:, t] is the token after idx[:, t]).
         The mean is over the targets that are not IGNORE_INDEX (SFT skips prompt tokens), and is 0
-        when every target is skipped. The loss is computed in fp32 even under bf16 autocast.
+        when every target is skipped. The loss is computed in fp32 even under bf16 autocast, by
+        `LinearCrossEntropy`; the logits it returns beside the loss carry no gradient.
         """
-        logits = self._logits(self._hidden(idx, kv_cache))
+        x = self._head_input(self._hidden(idx, kv_cache))
         if targets is None:
-            return logits, None
-        flat_logits, flat_targets = logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
-        total = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        return logits, total / (flat_targets != IGNORE_INDEX).sum().clamp_min(1)
+            return self.lm_head(x), None
+        weight, flat = self.lm_head.weight, x.reshape(-1, x.size(-1))
+        grads = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)
+        total, logits = LinearCrossEntropy.apply(flat, weight, targets.reshape(-1), grads)
+        return logits.view(*idx.shape, -1), total / (targets != IGNORE_INDEX).sum().clamp_min(1)
 
     @torch.no_grad()
     def generate(
@@ -290,7 +340,7 @@ class GPT(nn.Module):
                 hidden = self._hidden(idx[:, cache.length :], cache)  # the prompt, then 1 token
             else:
                 hidden = self._hidden(idx[:, -max_pos:])
-            logits = self._logits(hidden[:, -1, :]).float()
+            logits = self.lm_head(self._head_input(hidden[:, -1, :])).float()
             next_id = sample(logits, temperature, top_k, top_p, generator)
             if stop_token is not None:
                 next_id = next_id.masked_fill(finished, stop_token)
