@@ -31,9 +31,9 @@ def child(config: str, overrides: list[str]) -> None:
     losses: list[float] = []
     step = trainer.train_step
 
-    def recording() -> dict[str, float]:
+    def recording() -> dict:
         metrics = step()
-        losses.append(metrics["loss"])
+        losses.append(float(metrics["loss"]))  # a device tensor: a host sync, fine for a record
         return metrics
 
     trainer.train_step = recording

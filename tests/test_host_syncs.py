@@ -181,10 +181,13 @@ def test_the_guard_decided_on_the_device_is_todays(tiny_data, tmp_path, name):
     assert [t.step, t.batch_index, t.tokens_seen, t.bad_steps, t.rollbacks, t.lr_scale] == expected[
         "counters"
     ]
-    # Floats to the last bit on this project's CPU; to float noise on another CPU's kernels.
+    # Recorded from the guard read every step, with the loss by F.cross_entropy; the chunked loss
+    # (gptcore.model.LinearCrossEntropy) rounds its gradients differently, by float noise: 7e-8
+    # on a parameter sum of 0.03 after 24 steps. A skip or rollback in the wrong place would move
+    # these by far more.
     assert sum(reports, []) == pytest.approx(sum(expected["reports"], []), rel=1e-6)
     weights = [float(p.detach().double().sum()) for p in trainer.model.parameters()][:4]
-    assert weights == pytest.approx(expected["weights"], rel=1e-6, abs=1e-9)
+    assert weights == pytest.approx(expected["weights"], rel=1e-6, abs=1e-6)
     if name == "rollback read late":  # batch 12 ran twice: before and after the rollback
         assert calls == [*range(13), *range(12, 25)]
 
