@@ -20,6 +20,7 @@ from experiments.budget import (
 )
 from experiments.config import RayExperiment, load_experiment
 from experiments.space import parse_space
+from gptcore.durations import duration
 from gptcore.errors import UserError
 
 # Per-trial start-up measured on a 2-core machine: a 1-worker trial trains in its (reused) Tune
@@ -112,7 +113,7 @@ def plan_cli(
     print(f"  ASHA rungs   {', '.join(f'{r:,}' for r in rungs)} tokens (reduction factor {rf})")
     print(f"  tokens       ~{tokens:,.0f} with ASHA, {n * max_t:,} without")
     print(
-        f"  wall-clock   ~{_hours(wall)} with ASHA (~{_hours(full_wall)} without), including "
+        f"  wall-clock   ~{duration(wall)} with ASHA (~{duration(full_wall)} without), including "
         f"{startup:.0f}s start-up per trial"
     )
     used = wall * width / 3600
@@ -121,7 +122,7 @@ def plan_cli(
         need, share = (
             (f"~{tokens:,.0f} tokens", tokens / limit.amount)
             if limit.tokens
-            else (f"~{_hours(wall)}", wall / limit.amount)
+            else (f"~{duration(wall)}", wall / limit.amount)
         )
         worth = f" ({limit.amount / max_t:.1f} full trials' worth)" if limit.tokens else ""
         if share > 1:
@@ -152,9 +153,3 @@ def _cluster_width(cfg: RayExperiment, address: str) -> tuple[int, str]:
             return cap, f"autoscaling cluster of unknown size, {now[0]:g} CPU / {now[1]:g} GPU now"
         width, _ = plan_width(growth, trial_bundles(cfg), cap, "one trial")
         return width, f"autoscaling cluster: {now[0]:g} CPU / {now[1]:g} GPU now, {growth.describe()}"
-
-
-def _hours(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 60:.1f}m"

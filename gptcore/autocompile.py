@@ -31,6 +31,7 @@ import torch
 
 from gptcore.config import SHAPE_KEYS, ExperimentConfig
 from gptcore.data import cache_dir
+from gptcore.durations import duration
 from gptcore.measured import Measured
 from gptcore.mfu import machine_name
 from gptcore.private_torch import inductor_default_cache_dir
@@ -118,12 +119,3 @@ def share_compile_cache() -> None:
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(inductor_default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torch-compile")
-
-
-def duration(seconds: float) -> str:
-    """28 s, 6.0 min, 1.5 h: the scale a compile decision is read at."""
-    if seconds < 90:
-        return f"{seconds:.0f} s" if seconds >= 1 else f"{seconds:.1f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"

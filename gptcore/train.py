@@ -47,6 +47,7 @@ from gptcore.checkpoint import load_checkpoint
 from gptcore.config import SHAPE_KEYS, ExperimentConfig, model_world_config, run_budget, run_length
 from gptcore.data import IGNORE_INDEX, Prefetcher, TokenData
 from gptcore.device import resolve_device, use_tf32
+from gptcore.durations import duration
 from gptcore.errors import DivergedError, UserError
 from gptcore.lora import adapter_weights, add_lora, base_record, load_adapters, model_from_state
 from gptcore.mfu import cpu_matmul_flops, device_peak_flops, mfu
@@ -433,7 +434,7 @@ class Trainer:
             first = autocompile.first_compile_here(key)
             autocompile.record(key, seconds if first else None, eager_steps, compiled_steps)
         return (
-            f"{line} | compiled in {autocompile.duration(seconds)}: model step {eager_seconds * 1e3:.0f} "
+            f"{line} | compiled in {duration(seconds)}: model step {eager_seconds * 1e3:.0f} "
             f"-> {compiled_seconds * 1e3:.0f} ms ({eager_seconds / compiled_seconds:.2f}x)"
         )
 
@@ -624,7 +625,7 @@ class Trainer:
             f"step {self.step:>6}/{self.total_steps} | loss {m['loss']:.4f} | "
             f"lr {m['lr']:.2e} | grad norm {m['grad_norm']:.3f} | "
             f"{m['tokens_per_sec'] / 1e3:.1f}k tok/s | MFU {mfu_text} | "
-            f"ETA {_format_seconds(m['eta_sec'])}"
+            f"ETA {duration(m['eta_sec'])}"
         )
 
     def _report(
@@ -785,10 +786,3 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, list):
         return [_to_cpu(v) for v in value]
     return value
-
-
-def _format_seconds(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s"
