@@ -270,7 +270,7 @@ def checkpoint_upload_times(
     import pyarrow.fs
     from moto.server import ThreadedMotoServer
 
-    from experiments.config import load_experiment
+    from experiments.ray_config import load_experiment
     from gptcore.checkpoint import CHECKPOINT_FILE, save_checkpoint
     from gptcore.train import Trainer
 

@@ -24,7 +24,7 @@ import tempfile
 
 def child(config: str, overrides: list[str]) -> None:
     """Train in this process and print the loss of every step as JSON."""
-    from experiments.config import load_experiment
+    from experiments.ray_config import load_experiment
     from gptcore.train import Trainer
 
     trainer = Trainer(load_experiment(config, overrides), log=None)

@@ -96,7 +96,7 @@ import warnings
 
 import torch
 
-from experiments.config import load_experiment
+from experiments.ray_config import load_experiment
 from gptcore.train import Trainer
 
 cfg = load_experiment("experiments/configs/quickstart.toml",
@@ -125,7 +125,7 @@ part "sweep: 2 trials sharing one GPU (resources.gpus_per_worker = 0.5)" 80 \
     --set train.max_steps=100 --set train.eval_interval=50 --set train.compile=false
 
 part "resume on CUDA" 40 python3 - <<'EOF'
-from experiments.config import load_experiment
+from experiments.ray_config import load_experiment
 from gptcore.train import Trainer
 
 cfg = load_experiment("experiments/configs/quickstart.toml",

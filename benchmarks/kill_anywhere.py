@@ -246,7 +246,7 @@ class Sweep:
         import optuna
 
         from experiments.experiment import load_base, study_url
-        from experiments.storage import rdb_storage
+        from experiments.study_db import rdb_storage
 
         cfg, _ = load_base(self.exp_dir())
         optuna.logging.set_verbosity(optuna.logging.WARNING)

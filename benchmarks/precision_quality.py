@@ -19,8 +19,8 @@ import statistics
 import tempfile
 import time
 
-from experiments.config import load_experiment
 from experiments.noise import ALPHA, compare, verdict
+from experiments.ray_config import load_experiment
 from gptcore.train import Trainer
 
 PRECISIONS = ("fp32", "bf16")

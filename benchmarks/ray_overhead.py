@@ -22,8 +22,8 @@ import time
 import torch
 
 from experiments.cluster import ray_session
-from experiments.config import RayExperiment, checked_for_workers, load_experiment
-from experiments.train import build_trainer
+from experiments.ray_config import RayExperiment, checked_for_workers, load_experiment
+from experiments.ray_train import build_trainer
 from gptcore.train import Trainer
 
 

@@ -47,11 +47,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.budget import concurrency, trial_tokens
 from experiments.cluster import local_resources, ray_session
-from experiments.config import RayExperiment, SweepLimit, checked_for_workers, load_experiment
 from experiments.experiment import start_experiment
+from experiments.ray_config import RayExperiment, SweepLimit, checked_for_workers, load_experiment
 from experiments.results import load_analysis, load_trials
+from experiments.sizing import concurrency, trial_tokens
 from experiments.space import Space, apply_overrides, parse_space
 from experiments.tuner import new_tuner, search_config
 from experiments.warm_start import load_history

@@ -220,7 +220,7 @@ def _train_command(sub: Subcommands) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from experiments.config import load_experiment
+    from experiments.ray_config import load_experiment
 
     overrides = list(args.overrides)
     if args.data:
@@ -241,7 +241,7 @@ def _train(args: argparse.Namespace) -> int:
         train_local(cfg)
         return 0
     from experiments.cluster import resolve_address
-    from experiments.train import ray_run_folder, train_on_ray
+    from experiments.ray_train import ray_run_folder, train_on_ray
 
     storage, name = ray_run_folder(args.out, args.storage, args.name)
     return train_on_ray(

@@ -27,9 +27,7 @@ from typing import Any
 
 from experiments import remote
 from experiments.autoscale import room_for
-from experiments.budget import local_extra_cpus, trial_bundles
 from experiments.cluster import ray_session, verify_trial_nodes
-from experiments.config import RayExperiment, load_experiment
 from experiments.experiment import (
     open_experiment,
     read_meta,
@@ -40,7 +38,9 @@ from experiments.experiment import (
 )
 from experiments.noise import NOISE_FILE, measure_noise, print_noise
 from experiments.outcome import ranked
+from experiments.ray_config import RayExperiment, load_experiment
 from experiments.results import load_trials
+from experiments.sizing import local_extra_cpus, trial_bundles
 from experiments.space import parse_space
 from experiments.tuner import new_tuner, restore_tuner
 from gptcore.errors import UserError

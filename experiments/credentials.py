@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 from gptcore.errors import UserError
 
 if TYPE_CHECKING:
-    from experiments.config import RayExperiment
+    from experiments.ray_config import RayExperiment
 
 
 def without_passwords(cfg: RayExperiment) -> RayExperiment:

@@ -22,9 +22,9 @@ from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 from ray.tune.stopper import Stopper
 
 from experiments import remote
-from experiments.config import SweepLimit
 from experiments.experiment import EVENTS_FILE, append_event, read_events
 from experiments.outcome import FLAGS
+from experiments.ray_config import SweepLimit
 
 
 def _params(config: dict[str, Any]) -> str:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from experiments import remote
-from experiments.budget import trial_tokens
-from experiments.config import RayExperiment, load_experiment
+from experiments.ray_config import RayExperiment, load_experiment
+from experiments.sizing import trial_tokens
 from gptcore.atomic import write_text_atomic
 from gptcore.errors import UserError
 

@@ -7,7 +7,8 @@ import math
 import os
 import time
 
-from experiments.budget import (
+from experiments.ray_config import RayExperiment, load_experiment
+from experiments.sizing import (
     asha_rungs,
     concurrency,
     expected_tokens,
@@ -18,7 +19,6 @@ from experiments.budget import (
     trial_footprint,
     trial_tokens,
 )
-from experiments.config import RayExperiment, load_experiment
 from experiments.space import parse_space
 from gptcore.durations import duration
 from gptcore.errors import UserError
@@ -139,8 +139,8 @@ def _cluster_width(cfg: RayExperiment, address: str) -> tuple[int, str]:
     """Trials at once on the cluster at `address` and how it was sized: its nodes now (a
     static cluster, one line when one trial does not fit), or the most its autoscaler can add."""
     from experiments.autoscale import autoscaler_growth, plan_width
-    from experiments.budget import trial_bundles
     from experiments.cluster import check_fits, cluster_size, ray_session
+    from experiments.sizing import trial_bundles
 
     with ray_session(address):
         growth = autoscaler_growth()

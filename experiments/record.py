@@ -110,7 +110,7 @@ def read_records(url: str, name: str) -> dict[str, TrialRecord]:
     import optuna
     from sqlalchemy.engine import make_url
 
-    from experiments.storage import rdb_storage
+    from experiments.study_db import rdb_storage
 
     if url.startswith("sqlite:") and not Path(make_url(url).database or "").is_file():
         return {}

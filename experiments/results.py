@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from experiments import remote
-from experiments.config import RayExperiment
 from experiments.experiment import is_experiment, load_base, read_events, study_url
 from experiments.outcome import FLAGS, RANKED, ended_status
+from experiments.ray_config import RayExperiment
 from experiments.record import read_records
 from experiments.space import ZERO_SUFFIX, Space, apply_overrides
 from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
@@ -20,7 +20,7 @@ from experiments.tune_state import TuneTrial, read_tune_trials
 from gptcore.errors import UserError
 
 if TYPE_CHECKING:
-    from experiments.report.common import CommonBudget
+    from experiments.report.common import CommonTokens
 
 
 def load_tune_trials(exp_dir: Path) -> list[TuneTrial]:
@@ -168,10 +168,10 @@ def short_params(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_table(
-    trials: list[dict[str, Any]], space: Space | None = None, common: CommonBudget | None = None
+    trials: list[dict[str, Any]], space: Space | None = None, common: CommonTokens | None = None
 ) -> None:
     """The terminal table: rank, hyperparameters (log-scale ones of `space` in scientific
-    notation), tokens, final loss, the loss at the common budget (with `common`), best loss, bpb,
+    notation), tokens, final loss, the loss at the common token count (with `common`), best loss, bpb,
     status, wall time, node; then the reason of each trial that has one (an error, a divergence)."""
     if not trials:
         print("no trials yet")

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from experiments.config import RayExperiment, experiment_from_dict
+from experiments.ray_config import RayExperiment, experiment_from_dict
 from gptcore.errors import UserError
 
 ALIASES = {

@@ -29,7 +29,7 @@ from experiments.outcome import ended_status, study_verdict
 from experiments.private_optuna import storage_trial_id
 from experiments.private_ray import optuna_study, optuna_trials, told_trials
 from experiments.record import CONFIG, CONTINUES, FINAL, STATUS, TUNE_ID, final_result, own_trials, record_of
-from experiments.storage import rdb_storage, shown_url
+from experiments.study_db import rdb_storage, shown_url
 from gptcore.errors import UserError
 
 # Why a trial ended as Tune's error: the trial function reports every error it catches with its

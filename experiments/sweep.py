@@ -1,6 +1,6 @@
 """`gptrun sweep` / `gptrun resume`: the flow of a sweep, from the checks made before Ray starts
 to the summary at the end. The Tuner is built in `experiments.tuner`, the trial function lives in
-`experiments.trial`, the arithmetic in `experiments.budget`, and the folder's files in
+`experiments.trial`, the arithmetic in `experiments.sizing`, and the folder's files in
 `experiments.experiment`. The noise check (`gptrun confirm`) is chained by the CLI, not here.
 
 Nothing is deleted or written before every check has passed: the config, the folder, the study,
@@ -15,15 +15,6 @@ from pathlib import Path
 
 from experiments import remote
 from experiments.autoscale import room_for
-from experiments.budget import (
-    concurrency,
-    grace_tokens,
-    local_extra_cpus,
-    sweep_limit,
-    trial_bundles,
-    trial_footprint,
-    trial_tokens,
-)
 from experiments.cluster import (
     check_fits,
     check_storage,
@@ -32,7 +23,6 @@ from experiments.cluster import (
     verify_shared_storage,
     verify_trial_nodes,
 )
-from experiments.config import RayExperiment, checked_for_workers, load_experiment
 from experiments.experiment import (
     BEST_FILE,
     STUDY_FILE,
@@ -45,9 +35,19 @@ from experiments.experiment import (
     study_url,
 )
 from experiments.outcome import best_trial
+from experiments.ray_config import RayExperiment, checked_for_workers, load_experiment
 from experiments.results import best_config, load_trials, load_tune_trials, print_table, print_trial_costs
+from experiments.sizing import (
+    concurrency,
+    grace_tokens,
+    local_extra_cpus,
+    sweep_limit,
+    trial_bundles,
+    trial_footprint,
+    trial_tokens,
+)
 from experiments.space import Space, parse_space
-from experiments.storage import shown_url
+from experiments.study_db import shown_url
 from experiments.tuner import new_tuner, restore_tuner, tracking_callbacks
 from experiments.warm_start import History, load_history
 from gptcore.errors import UserError

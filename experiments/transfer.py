@@ -21,15 +21,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.budget import trial_tokens
-from experiments.config import RayExperiment, load_experiment, with_absolute_paths
 from experiments.experiment import load_base
 from experiments.outcome import best_trial
+from experiments.ray_config import RayExperiment, load_experiment, with_absolute_paths
 from experiments.results import best_config, fmt_value, load_trials
+from experiments.sizing import trial_tokens
 from experiments.space import Space, apply_overrides, config_value, parse_space
 from experiments.table import print_columns
 from gptcore.atomic import check_writable_dir, write_text_atomic
-from gptcore.config import run_budget
+from gptcore.config import run_length
 from gptcore.errors import UserError
 
 CARRIED = ("optim.lr", "optim.weight_decay", "optim.warmup")  # always copied from the proxy
@@ -183,7 +183,7 @@ def _print_side_by_side(
 
 
 def _tokens_per_step(cfg: RayExperiment) -> int:
-    return run_budget(cfg, cfg.resources.workers).tokens_per_step
+    return run_length(cfg, cfg.resources.workers).tokens_per_step
 
 
 def _tokenizer_hash(cfg: RayExperiment) -> str:

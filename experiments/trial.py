@@ -19,12 +19,12 @@ import logging
 import time
 from typing import Any
 
-from experiments.budget import is_lean, trial_tokens
-from experiments.config import RayExperiment, experiment_from_dict
 from experiments.objective import METRIC
 from experiments.private_ray import in_tune_session
+from experiments.ray_config import RayExperiment, experiment_from_dict
+from experiments.ray_train import build_trainer, checkpoint_reporter, diverged_loss, resume, root_message
+from experiments.sizing import is_lean, trial_tokens
 from experiments.space import apply_overrides
-from experiments.train import build_trainer, checkpoint_reporter, diverged_loss, resume, root_message
 from gptcore.errors import DivergedError, UserError
 
 

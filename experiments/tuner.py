@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from experiments import remote
-from experiments.budget import grace_tokens, is_lean, startup_trials, trial_resources, trial_tokens
-from experiments.config import RayExperiment, SweepConfig, SweepLimit
 from experiments.experiment import RUNS_DIR, study_url, trial_dirname
 from experiments.objective import METRIC, MODE
+from experiments.ray_config import RayExperiment, SweepConfig, SweepLimit
+from experiments.ray_train import diverged_loss
 from experiments.record import read_records, replay_result
+from experiments.sizing import grace_tokens, is_lean, startup_trials, trial_resources, trial_tokens
 from experiments.space import Space
-from experiments.train import diverged_loss
 from experiments.trial import run_trial
 from experiments.warm_start import History, start_study
 from gptcore.errors import UserError
@@ -128,8 +128,8 @@ def search_config(cfg: RayExperiment, space: Space, exp_dir: Path, history: Hist
     from ray import tune
 
     from experiments.events import RecordingASHA
-    from experiments.storage import rdb_storage
     from experiments.study import StudySearch
+    from experiments.study_db import rdb_storage
 
     points = [space.baseline(cfg)] if cfg.sweep.baseline else None
     max_t = trial_tokens(cfg)

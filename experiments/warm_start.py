@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.budget import startup_trials, trial_tokens
-from experiments.config import RayExperiment
 from experiments.experiment import STUDY_FILE, is_experiment, load_base, study_url
 from experiments.objective import DIRECTION
+from experiments.ray_config import RayExperiment
 from experiments.record import TUNE_ID, WARM_FROM
+from experiments.sizing import startup_trials, trial_tokens
 from experiments.space import Space, parse_space
-from experiments.storage import rdb_storage, shown_url
+from experiments.study_db import rdb_storage, shown_url
 from gptcore.errors import UserError
 
 WARM_TRIAL = "warm_start_trial"  # a copied trial's Tune trial id in its own sweep

@@ -274,7 +274,7 @@ class ExperimentConfig:
 
 
 @dataclass(frozen=True)
-class Budget:
+class RunLength:
     """How long a run is: the one place that turns `[train]` into steps and tokens, used by the
     trainer, sweeps, `gptrun plan` and the results reader alike."""
 
@@ -286,19 +286,19 @@ class Budget:
         return self.tokens_per_step * self.total_steps
 
 
-def run_budget(cfg: ExperimentConfig, world_size: int = 1) -> Budget:
+def run_length(cfg: ExperimentConfig, world_size: int = 1) -> RunLength:
     """`train.max_tokens` (rounded up to whole steps) when set, else `train.max_steps`."""
     t = cfg.train
     per_step = t.batch_size * cfg.model.seq_len * t.grad_accum * world_size
     steps = math.ceil(t.max_tokens / per_step) if t.max_tokens else t.max_steps
-    return Budget(per_step, steps)
+    return RunLength(per_step, steps)
 
 
-def run_length(cfg: ExperimentConfig, world_size: int = 1) -> str:
+def run_length_line(cfg: ExperimentConfig, world_size: int = 1) -> str:
     """The run's length and the key that sets it, for a run's first log line: a file that sets
     `train.max_tokens` keeps `train.max_steps` (its default, at least), which is then unused."""
-    t, budget = cfg.train, run_budget(cfg, world_size)
-    size = f"run length: {budget.total_steps:,} steps of {budget.tokens_per_step:,} tokens"
+    t, length = cfg.train, run_length(cfg, world_size)
+    size = f"run length: {length.total_steps:,} steps of {length.tokens_per_step:,} tokens"
     if t.max_tokens:
         return f"{size} (train.max_tokens={t.max_tokens:,}; train.max_steps is unused)"
     return f"{size} (train.max_steps)"
@@ -337,7 +337,7 @@ RUN_LENGTH_KEYS = ("max_steps", "max_tokens")  # [train]: two ways to say how lo
 def _one_run_length(raw: dict[str, Any], given: list[str], origin: str) -> None:
     """Make a `--set` of `train.max_steps` or `train.max_tokens` the run's length: it clears the
     other key of the file, which would otherwise win (max_tokens) or be ignored. A cleared key is
-    said on stdout, and the run's first log line (`run_length`) names the key in force. Setting
+    said on stdout, and the run's first log line (`run_length_line`) names the key in force. Setting
     a key to 0 clears nothing; both set to a length on the command line is refused."""
     train = raw.get("train")
     if not isinstance(train, dict):

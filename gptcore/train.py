@@ -1,7 +1,7 @@
 """The training loop: `Trainer.train_step` is one optimizer step, `Trainer.fit` the whole run.
 
 The same loop runs in-process (`gptrun train --local`, see `gptcore.run`) and inside every Ray
-Train worker (`experiments.train`), where the model is wrapped in DDP. The loop knows nothing of
+Train worker (`experiments.ray_train`), where the model is wrapped in DDP. The loop knows nothing of
 Ray: it calls `on_report(metrics, state)` at every evaluation, and the caller decides where the
 checkpoint state goes.
 
@@ -44,7 +44,7 @@ from torch import nn
 from gptcore import autocompile
 from gptcore.chat_data import ChatData, open_prepared
 from gptcore.checkpoint import load_checkpoint
-from gptcore.config import SHAPE_KEYS, ExperimentConfig, model_world_config, run_budget, run_length
+from gptcore.config import SHAPE_KEYS, ExperimentConfig, model_world_config, run_length, run_length_line
 from gptcore.data import IGNORE_INDEX, Prefetcher, TokenData
 from gptcore.device import resolve_device, use_tf32
 from gptcore.durations import duration
@@ -201,8 +201,8 @@ class Trainer:
             betas=(cfg.optim.beta1, cfg.optim.beta2),
             eps=cfg.optim.eps,
         )
-        budget = run_budget(cfg, world_size)
-        self.tokens_per_step, self.total_steps = budget.tokens_per_step, budget.total_steps
+        length = run_length(cfg, world_size)
+        self.tokens_per_step, self.total_steps = length.tokens_per_step, length.total_steps
         self.flops_per_token = self.model.flops_per_token(cfg.model.seq_len)
         self.precision, self.precision_reason = self._rank0_choice(
             *resolve_precision(cfg.train.precision, self.device)
@@ -497,13 +497,13 @@ class Trainer:
 
     # ---------------------------------------------------------------- the run
     def fit(self, on_report: Report | None = None, stop_at_step: int | None = None) -> dict:
-        """Train to the budget. At every eval: evaluate, maybe checkpoint, call `on_report`.
+        """Train to the run length. At every eval: evaluate, maybe checkpoint, call `on_report`.
 
         `stop_at_step` ends early (after that step's report), for tests and interruptions.
         Returns the last metrics, with `status` "completed"."""
         t = self.cfg.train
         end = self.total_steps if stop_at_step is None else min(stop_at_step, self.total_steps)
-        self.log(run_length(self.cfg, self.world_size))
+        self.log(run_length_line(self.cfg, self.world_size))
         if self.step == 0:
             self.log(
                 f"model: {self.model.num_params() / 1e6:.2f}M parameters, "
@@ -740,7 +740,7 @@ class Trainer:
                 f"checkpoint was trained with another lr schedule ({'; '.join(diff)});"
                 " use a new train.out folder or the checkpoint's values"
             )
-        steps = run_budget(saved, state["world_size"]).total_steps
+        steps = run_length(saved, state["world_size"]).total_steps
         if steps == self.total_steps:
             return
         if not self.cfg.train.extend:

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from experiments.storage import dashboard_command, rdb_storage, shown_url
+from experiments.study_db import dashboard_command, rdb_storage, shown_url
 from gptcore.errors import UserError
 from tests.conftest import assert_user_error, run_cli, study_trials, write_sweep_config
 from tests.postgres import PASSWORD, Postgres, postgres_server

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from scipy.stats import t as student_t
 
-from experiments.config import load_experiment
 from experiments.noise import compare, measure_noise, noise_line, print_noise, verdict
 from experiments.outcome import ranked
+from experiments.ray_config import load_experiment
 from experiments.results import load_trials
 from tests.conftest import assert_user_error, run_cli, write_sweep_config
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from experiments.cli import build_parser
-from experiments.config import load_experiment
+from experiments.ray_config import load_experiment
 from experiments.space import parse_space
 from gptcore.errors import UserError
 

@@ -91,7 +91,7 @@ def tiny_checkpoint(data: Path, root: Path, name: str, overrides: list[str]) -> 
 def checkpoints(tiny_data, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("export_ckpt")
     paths = {style: tiny_checkpoint(tiny_data, root, style, o) for style, o in STYLES.items()}
-    folder = root / "ray" / "checkpoint_000002"  # the layout experiments/train.py reports
+    folder = root / "ray" / "checkpoint_000002"  # the layout experiments/ray_train.py reports
     folder.mkdir(parents=True)
     (folder / CHECKPOINT_FILE).write_bytes(paths["gpt2"].read_bytes())
     paths["ray"] = folder

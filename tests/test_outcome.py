@@ -22,8 +22,8 @@ def one_float(trial) -> dict[str, float]:
 def searcher(url: str, num_samples: int = 3):
     from ray.tune.search.optuna import OptunaSearch
 
-    from experiments.storage import rdb_storage
     from experiments.study import StudySearch
+    from experiments.study_db import rdb_storage
 
     search = StudySearch(
         full_tokens=int(FULL),

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments.budget import asha_rungs, concurrency, expected_tokens, trial_bundles, trial_resources
 from experiments.cli import build_parser, finite
-from experiments.config import load_experiment
+from experiments.ray_config import load_experiment
+from experiments.sizing import asha_rungs, concurrency, expected_tokens, trial_bundles, trial_resources
 from experiments.space import parse_space
 from gptcore.errors import UserError
 from tests.conftest import assert_user_error, run_cli, write_sweep_config

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from experiments.cluster import job_runtime_env
-from experiments.config import load_experiment
-from experiments.train import build_trainer, train_on_ray
+from experiments.ray_config import load_experiment
+from experiments.ray_train import build_trainer, train_on_ray
 from gptcore.errors import UserError
 from tests.conftest import REPO, assert_user_error, committed_step, run_cli, tiny_config_text
 

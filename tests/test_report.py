@@ -22,14 +22,14 @@ import pytest
 from matplotlib.image import imread
 
 from experiments.cli import main
-from experiments.config import load_experiment
 from experiments.experiment import start_experiment
 from experiments.outcome import best_trial
-from experiments.report.common import CommonBudget, analysis_study, common_budget
-from experiments.report.data import trial_rows
+from experiments.ray_config import load_experiment
+from experiments.report.common import CommonTokens, analysis_study, common_tokens
 from experiments.report.importance import MIN_TRIALS, importances, too_few
 from experiments.report.interactive import parallel_figure
 from experiments.report.page import report_page
+from experiments.report.tables import trial_rows
 from experiments.results import print_table
 from experiments.space import apply_overrides, parse_space
 from experiments.table import fmt_sci, fmt_tokens, print_columns, short_ids
@@ -121,7 +121,7 @@ def test_node_ids_are_shown_by_the_part_that_tells_them_apart() -> None:
 
 def test_terminal_table(capsys: pytest.CaptureFixture[str]) -> None:
     space = parse_space(load_experiment(QUICKSTART))
-    common = CommonBudget(3072, {"t1": 3.9}, ())
+    common = CommonTokens(3072, {"t1": 3.9}, ())
     print_table(
         [
             _trial("t1", "completed", 3.75726),
@@ -171,17 +171,17 @@ def test_common_budget_on_trials_stopped_at_different_rungs() -> None:
         *_curve("running", {50: 6.4, 100: 5.7, 120: 5.65}),
         *_curve("young", {50: 6.6}),
     ]
-    common = common_budget(trials, curves)
+    common = common_tokens(trials, curves)
     assert common.tokens == 100 * K
     assert common.losses == {"full": 5.5, "rung1": 5.8, "rung2": 5.6, "offgrid": 6.3, "running": 5.7}
     assert common.left_out == ("none",)
     assert common.title == "val loss at 102k tokens, 5 trials" and common.label == "val loss at 102k tokens"
 
-    later = common_budget(trials, curves, tokens=150 * K)  # a chosen budget: who reached it
+    later = common_tokens(trials, curves, tokens=150 * K)  # a chosen budget: who reached it
     assert later.losses == {"full": 5.3, "rung2": 5.4}
     assert later.left_out == ("rung1", "offgrid", "none")
-    assert common_budget([], []) == CommonBudget(0, {}, ())
-    nothing = common_budget(trials[-1:], [])
+    assert common_tokens([], []) == CommonTokens(0, {}, ())
+    nothing = common_tokens(trials[-1:], [])
     assert (nothing.tokens, nothing.losses, nothing.left_out) == (0, {}, ("none",))
 
 
@@ -217,7 +217,7 @@ def _made_up_sweep(n: int, seed: int = 0) -> tuple[list[dict[str, Any]], list[di
 def test_analysis_study_values_trials_at_the_common_budget() -> None:
     space = parse_space(load_experiment(QUICKSTART))
     trials, curves = _made_up_sweep(8)
-    common = common_budget(trials, curves)
+    common = common_tokens(trials, curves)
     study = analysis_study(common, trials, space)
     assert len(study.trials) == 8
     for frozen in study.trials:
@@ -232,7 +232,7 @@ def test_analysis_study_values_trials_at_the_common_budget() -> None:
 def test_parallel_coordinates_label_a_chosen_zero_0_not_none() -> None:
     space = parse_space(load_experiment(QUICKSTART))
     trials, curves = _made_up_sweep(8)  # trial 3 and 7 chose weight decay 0
-    common = common_budget(trials, curves)
+    common = common_tokens(trials, curves)
     fig = parallel_figure(analysis_study(common, trials, space), common)
     labels = [note.text for note in fig.layout.annotations]
     assert "None" not in labels and "0" in labels
@@ -243,7 +243,7 @@ def test_parallel_coordinates_label_a_chosen_zero_0_not_none() -> None:
 def test_importances_come_with_intervals_or_say_they_cannot() -> None:
     space = parse_space(load_experiment(QUICKSTART))
     trials, curves = _made_up_sweep(40)
-    common = common_budget(trials, curves)
+    common = common_tokens(trials, curves)
     ranked = importances(analysis_study(common, trials, space), resamples=60)
     assert ranked.n_trials == 40 and list(ranked.point)[0] == "lr"  # the loss depends on lr alone
     assert set(ranked.point) == {"lr", "weight_decay", "weight_decay=0", "warmup"}
@@ -252,7 +252,7 @@ def test_importances_come_with_intervals_or_say_they_cannot() -> None:
     assert ranked.low["lr"] > max(ranked.high[k] for k in ("warmup", "weight_decay=0"))
     assert ranked.note.startswith("Intervals: the middle 90%")
 
-    few = importances(analysis_study(common_budget(trials[: MIN_TRIALS - 1], curves), trials, space))
+    few = importances(analysis_study(common_tokens(trials[: MIN_TRIALS - 1], curves), trials, space))
     assert (few.n_trials, few.point, few.low, few.high) == (MIN_TRIALS - 1, {}, {}, {})
     assert few.note == too_few(MIN_TRIALS - 1)
     assert "19 trials compared: too few" in few.note and "cannot be told apart from noise" in few.note
@@ -315,7 +315,7 @@ def test_page_from_made_up_trials(tmp_path: Path) -> None:
     out = tmp_path / "demo" / "report"
     out.mkdir()
     (out / "best.toml").write_text("")
-    common = common_budget(trials, curves)
+    common = common_tokens(trials, curves)
     rows = trial_rows(trials, common)
     assert list(rows[0]) == COLUMNS
     assert {r["common_tokens"] for r in rows} == {100 * K}
@@ -332,7 +332,7 @@ def test_page_from_made_up_trials(tmp_path: Path) -> None:
     assert len(figures["curves"]) == MIN_TRIALS + 1
     first = next(t for t in figures["curves"] if t["name"].startswith(trials[0]["trial_id"]))
     assert fmt_sci(trials[0]["config"]["optim.lr"]) in first["hovertemplate"]
-    assert "common budget: 102k tokens" in html
+    assert "common token count: 102k tokens" in html
     # Loss vs each hyperparameter: every compared trial at the budget, the completed ones'
     # final losses as their own series.
     at_budget = [t for t in figures["params"] if t.get("name", "").endswith("at 102k")]
@@ -368,7 +368,7 @@ def test_every_string_on_the_page_is_escaped(tmp_path: Path) -> None:
         t["config"]["data.dir"] = MARKUP
         t.update(reason=MARKUP, node_id=MARKUP, checkpoint=f"/sweeps/{MARKUP}")
     exp_dir = tmp_path / "<b onmouseover=alert(4)>"
-    common = common_budget(trials, curves)
+    common = common_tokens(trials, curves)
     rows = trial_rows(trials, common)
     study = analysis_study(common, trials, space)
     ranked = importances(study, resamples=20)
@@ -387,7 +387,7 @@ def test_page_says_why_plots_are_missing(tmp_path: Path) -> None:
     cfg = load_experiment(QUICKSTART)
     space = parse_space(cfg)
     trials, curves = _made_up_sweep(1)
-    common = common_budget(trials, curves)
+    common = common_tokens(trials, curves)
     study = analysis_study(common, trials, space)
     html = report_page(
         tmp_path,
@@ -404,7 +404,7 @@ def test_page_says_why_plots_are_missing(tmp_path: Path) -> None:
         None,
     )
     check_page(html, tmp_path, ("curves", "params"))
-    assert html.count("Needs two trials compared at the common budget; there are 1.") == 2
+    assert html.count("Needs two trials compared at the common token count; there are 1.") == 2
     assert too_few(1) in html and "no best config" in html
 
 
@@ -440,7 +440,7 @@ def test_report_writes_every_file(finished_sweep: Path, tmp_path: Path) -> None:
     curves = pq.read_table(out / "curves.parquet").to_pylist()
     assert len(curves) >= 6
 
-    # The common budget: ASHA's first rung, the last token count of the earliest stopped trial;
+    # The common token count: ASHA's first rung, the last token count of the earliest stopped trial;
     # each trial's loss there is its curve's value at that point, whatever its final loss.
     budget = min(r["tokens"] for r in rows)
     assert {r["common_tokens"] for r in rows} == {budget} and budget < max(r["tokens"] for r in rows)
@@ -497,7 +497,7 @@ def test_report_one_trial(finished_sweep: Path, tmp_path: Path) -> None:
     assert len(rows) == 1 and rows[0]["common_val_loss"] == rows[0]["val_loss"]  # compared at its own end
     page = (copy / "report" / "report.html").read_text()
     check_page(page, copy / "report", ("curves", "params"))
-    assert "Needs two trials compared at the common budget; there are 1." in page and too_few(1) in page
+    assert "Needs two trials compared at the common token count; there are 1." in page and too_few(1) in page
 
 
 def test_report_every_trial_failed(finished_sweep: Path, tmp_path: Path) -> None:
@@ -519,7 +519,7 @@ def test_report_every_trial_failed(finished_sweep: Path, tmp_path: Path) -> None
     page = (out / "report.html").read_text()
     check_page(page, out, ("curves",))
     assert "No trial has an evaluation to compare yet." in page and "no best config" in page
-    assert page.count("Needs two trials compared at the common budget; there are 0.") == 3
+    assert page.count("Needs two trials compared at the common token count; there are 0.") == 3
 
 
 def test_report_imports_no_tuner_ray_train_run_or_torch(finished_sweep: Path, tmp_path: Path) -> None:
@@ -527,7 +527,7 @@ def test_report_imports_no_tuner_ray_train_run_or_torch(finished_sweep: Path, tm
     neither the Tuner module nor what runs trials (the trial function, our Ray Train module,
     Ray's TorchTrainer, torch), nor `gptrun confirm`. (Ray's `ray.train` package itself comes with
     `ray.tune`, whose ExperimentAnalysis reads Tune's saved state.)"""
-    heavy = ["experiments.tuner", "experiments.trial", "experiments.train", "experiments.confirm"]
+    heavy = ["experiments.tuner", "experiments.trial", "experiments.ray_train", "experiments.confirm"]
     heavy += ["experiments.sweep", "ray.train.torch", "torch"]
     code = (
         "import json, sys\n"

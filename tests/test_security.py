@@ -23,7 +23,7 @@ import pytest
 
 from benchmarks.kill_anywhere import kill_sweep
 from experiments.cluster import AUTH_SETTINGS, ray_session
-from experiments.config import RayExperiment, load_experiment
+from experiments.ray_config import RayExperiment, load_experiment
 from gptcore.errors import UserError
 from tests.conftest import REPO, assert_user_error, free_ports, run_cli, tiny_config_text, write_sweep_config
 from tests.test_cluster import wait_for

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 from benchmarks.kill_anywhere import kill_sweep
-from experiments.budget import sweep_limit
-from experiments.config import SweepLimit, load_experiment, parse_budget
 from experiments.events import budget_spent
 from experiments.experiment import read_events
+from experiments.ray_config import SweepLimit, load_experiment, parse_budget
+from experiments.sizing import sweep_limit
 from gptcore.errors import UserError
 from tests.conftest import REPO, assert_user_error, run_cli, study_trials, study_values, write_sweep_config
 
@@ -224,7 +224,7 @@ def test_the_budget_stops_the_sweep_once_spent_and_its_cut_trials_end_once(tiny_
 
 
 def test_best_toml_loads_and_trains(finished_sweep, tmp_path):
-    from experiments.config import load_experiment
+    from experiments.ray_config import load_experiment
 
     best = load_experiment(finished_sweep / "best.toml")
     assert best.optim.lr > 0
@@ -441,8 +441,8 @@ def test_a_sampled_value_the_config_refuses_fails_that_trial_with_its_reason(tin
     reason and a bad score (COMPLETE in the study, where TPE learns from it) instead of a Tune
     ERROR with a traceback; the others run, and the report compares them without it. (A range:
     a `choice` value the config refuses is refused before the sweep starts, see test_transfer.)"""
+    from experiments.ray_train import diverged_loss
     from experiments.results import load_trials
-    from experiments.train import diverged_loss
 
     config = write_sweep_config(
         tiny_data, tmp_path, n=4, max_steps=8, tail="beta2 = { uniform = [0.9, 1.4] }\n"

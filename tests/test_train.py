@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from gptcore import atomic, measured, train
 from gptcore import mfu as mfu_mod
 from gptcore.checkpoint import TRAILER_BYTES, load_checkpoint, save_checkpoint
-from gptcore.config import load_config, run_budget
+from gptcore.config import load_config, run_length
 from gptcore.device import resolve_device
 from gptcore.errors import DivergedError, UserError
 from gptcore.model import GPT
@@ -540,17 +540,17 @@ def test_a_run_length_set_on_the_command_line_clears_the_other_key(tiny_data, tm
     either is what the user means, so it clears the other, and the first log line names it."""
     path = tmp_path / "exp.toml"  # 128 tokens per step: max_tokens is 32 steps, max_steps 12
     path.write_text(tiny_config_text(tiny_data, tmp_path / "run", max_tokens=4096))
-    assert run_budget(load_config(path)).total_steps == 32
+    assert run_length(load_config(path)).total_steps == 32
     capsys.readouterr()
     steps = load_config(path, ["train.max_steps=3", "train.precision=fp32"])
-    assert (steps.train.max_steps, steps.train.max_tokens, run_budget(steps).total_steps) == (3, 0, 3)
+    assert (steps.train.max_steps, steps.train.max_tokens, run_length(steps).total_steps) == (3, 0, 3)
     assert f"--set train.max_steps=3 clears train.max_tokens=4096 (set in {path})" in capsys.readouterr().out
     tokens = load_config(path, ["train.max_tokens=1024"])
-    assert (tokens.train.max_steps, run_budget(tokens).total_steps) == (0, 8)
+    assert (tokens.train.max_steps, run_length(tokens).total_steps) == (0, 8)
     assert "clears train.max_steps=12" in capsys.readouterr().out
     # 0 clears nothing (the file's max_steps is then in force); both given is the user's choice.
-    assert run_budget(load_config(path, ["train.max_tokens=0"])).total_steps == 12
-    assert run_budget(load_config(path, ["train.max_tokens=0", "train.max_steps=5"])).total_steps == 5
+    assert run_length(load_config(path, ["train.max_tokens=0"])).total_steps == 12
+    assert run_length(load_config(path, ["train.max_tokens=0", "train.max_steps=5"])).total_steps == 5
     with pytest.raises(UserError, match="both train.max_steps and train.max_tokens"):
         load_config(path, ["train.max_tokens=1024", "train.max_steps=5"])
     logs: list[str] = []

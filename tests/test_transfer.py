@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import RayExperiment, experiment_from_dict, load_experiment
 from experiments.experiment import start_experiment
+from experiments.ray_config import RayExperiment, experiment_from_dict, load_experiment
 from experiments.space import apply_overrides, parse_space
 from experiments.transfer import carried_keys, check_transferable
 from gptcore.config import load_config

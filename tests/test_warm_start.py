@@ -15,8 +15,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from experiments.config import RayExperiment, load_experiment
 from experiments.experiment import start_experiment, study_url
+from experiments.ray_config import RayExperiment, load_experiment
 from experiments.record import WARM_FROM
 from experiments.space import apply_overrides, parse_space
 from experiments.tuner import search_config, tpe_sampler

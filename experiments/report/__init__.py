@@ -1,7 +1,7 @@
 """`gptrun report`: a sweep as a terminal table, parquet/CSV files, PNG plots, an interactive
 report.html and best.toml, and the optuna-dashboard command that opens the sweep's study. It
 starts no Ray cluster (it reads the sweep's files), so it works on a running or interrupted sweep
-too. Trials are compared at a common budget (`common`), importances come with intervals
+too. Trials are compared at a common token count (`common`), importances come with intervals
 (`importance`); `data` builds the rows and writes the tables, `plots` draws the PNGs,
 `interactive` the page's plots, `page` writes the HTML; `report_cli` runs them in that order."""
 
@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from experiments.config import load_experiment
 from experiments.experiment import STUDY_FILE, open_experiment, study_url
 from experiments.noise import print_noise
 from experiments.outcome import best_trial
+from experiments.ray_config import load_experiment
 from experiments.remote import is_uri
-from experiments.report.common import analysis_study, common_budget
-from experiments.report.data import read_noise, trial_rows, write, write_tables
+from experiments.report.common import analysis_study, common_tokens
 from experiments.report.importance import importances
 from experiments.report.interactive import check_plotly
 from experiments.report.page import report_page, warm_start_html
 from experiments.report.plots import draw_importance, draw_noise, draw_sweep, figure_factory
+from experiments.report.tables import read_noise, trial_rows, write, write_tables
 from experiments.results import best_config, load_curves, load_trials, print_table
 from experiments.space import parse_space
-from experiments.storage import dashboard_command
+from experiments.study_db import dashboard_command
 from experiments.table import fmt_tokens
 from experiments.warm_start import report_history
 from gptcore.atomic import check_writable_dir
@@ -42,7 +42,7 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     out_dir = Path(out) if out else default
     check_writable_dir(out_dir, "--out" if out else "the report folder (--out)")  # before the table
     curves = load_curves(exp_dir)
-    common = common_budget(trials, curves)
+    common = common_tokens(trials, curves)
     print_table(trials, space, common)
     left = f"; left out (no evaluation by then): {', '.join(common.left_out)}" if common.left_out else ""
     n = len(common.losses)

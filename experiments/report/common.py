@@ -1,4 +1,4 @@
-"""Comparisons at a common budget: what the report puts side by side on one loss axis.
+"""Comparisons at a common token count: what the report puts side by side on one loss axis.
 
 ASHA stops the worse trials at its rungs and lets the better ones train on, so the trials' final
 losses come after different amounts of training: on one axis they credit training length to the
@@ -7,8 +7,8 @@ column that compares trials uses instead each trial's validation loss at one tok
 default the largest that all compared trials reached (ASHA's first rung when it stopped some);
 the completed trials' final losses are shown beside it as their own series.
 
-`common_budget` is the rule, a pure function of the trials and their curves; `analysis_study`
-holds the compared trials as an in-memory Optuna study (valued at the common budget) for
+`common_tokens` is the rule, a pure function of the trials and their curves; `analysis_study`
+holds the compared trials as an in-memory Optuna study (valued at the common token count) for
 Optuna's importances, contour and parallel coordinates.
 """
 
@@ -25,7 +25,7 @@ from experiments.table import fmt_tokens
 
 
 @dataclass(frozen=True)
-class CommonBudget:
+class CommonTokens:
     tokens: int  # the token count trials are compared at (0: no compared trial has evaluated yet)
     losses: dict[str, float]  # trial id -> its val loss at `tokens`, for every trial compared
     left_out: tuple[str, ...]  # finished trials with no evaluation by `tokens` (failed before one)
@@ -41,15 +41,15 @@ class CommonBudget:
         return f"{self.label}, {len(self.losses)} trial{'s' * (len(self.losses) != 1)}"
 
 
-def common_budget(
+def common_tokens(
     trials: list[dict[str, Any]], curves: list[dict[str, Any]], tokens: int | None = None
-) -> CommonBudget:
+) -> CommonTokens:
     """Each trial's val loss at `tokens` (default: the largest token count every trial that
     finished without error reached), from its last evaluation at or before it.
 
     Compared: the trials that finished without error, and the unfinished ones that already went
-    past the budget (a running sweep shows where it is). Diverged and failed trials have no loss
-    to compare. A compared trial that never reached the budget, or has no evaluation at or before
+    past that count (a running sweep shows where it is). Diverged and failed trials have no loss
+    to compare. A compared trial that never reached it, or has no evaluation at or before
     it (one that ended before its first), is left out and named in `left_out`."""
     points_of = evaluations(curves)
     finished = [t["trial_id"] for t in trials if t["status"] in RANKED]
@@ -63,7 +63,7 @@ def common_budget(
         before = [loss for at, loss in points if at <= tokens]
         if before:
             losses[t["trial_id"]] = before[-1]
-    return CommonBudget(tokens, losses, tuple(tid for tid in finished if tid not in losses))
+    return CommonTokens(tokens, losses, tuple(tid for tid in finished if tid not in losses))
 
 
 def evaluations(curves: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -83,9 +83,9 @@ def completed(trials: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
     return done, fmt_tokens(max((t["tokens"] for t in done), default=0))
 
 
-def analysis_study(common: CommonBudget, trials: list[dict[str, Any]], space: Space) -> Any:
+def analysis_study(common: CommonTokens, trials: list[dict[str, Any]], space: Space) -> Any:
     """The compared trials as an in-memory Optuna study, each COMPLETE with its loss at the
-    common budget, named as the report names them (`lr`, not `optim.lr`). A key searched with
+    common token count, named as the report names them (`lr`, not `optim.lr`). A key searched with
     `include_zero` is two parameters, as in the sweep's own study: `weight_decay=0` (a choice)
     and `weight_decay` (absent when that choice was 0)."""
     import optuna

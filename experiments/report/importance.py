@@ -1,6 +1,6 @@
 """Hyperparameter importances that say how sure they are.
 
-Optuna's PED-ANOVA, on the trials valued at the common budget (see `common`), asked which
+Optuna's PED-ANOVA, on the trials valued at the common token count (see `common`), asked which
 parameters the top quarter of the trials owes its losses to. A handful of trials gives a ranking
 anyway, and bars that look decisive: so the importances come with a bootstrap interval (the
 evaluation repeated on trials resampled with replacement), and below `MIN_TRIALS` trials none

@@ -2,16 +2,16 @@
 series), each as a `<div>` for a page that embeds plotly.js once (`plotly_js`), so that it opens
 offline from disk.
 
-Optuna draws what it draws well from the trials at the common budget (`common.analysis_study`):
+Optuna draws what it draws well from the trials at the common token count (`common.analysis_study`):
 the lr x weight decay contour and the parallel coordinates. The curves and the loss against
 each hyperparameter are drawn here: they show what Optuna's plots cannot, each trial's values
-on hover and the completed trials' final losses as their own series beside the common budget."""
+on hover and the completed trials' final losses as their own series beside the common token count."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from experiments.report.common import CommonBudget, completed, evaluations, param_name
+from experiments.report.common import CommonTokens, completed, evaluations, param_name
 from experiments.report.importance import LEVEL, Importances
 from experiments.report.plots import FINAL, MARKER, param_panels, zero_x
 from experiments.results import short_params
@@ -71,11 +71,11 @@ def trial_hover(t: dict[str, Any], space: Space) -> str:
 def curves_figure(
     trials: list[dict[str, Any]],
     curves: list[dict[str, Any]],
-    common: CommonBudget,
+    common: CommonTokens,
     space: Space,
     best_id: str | None,
 ) -> Any:
-    """Val loss vs tokens, one line per trial (dash = status), the common budget marked."""
+    """Val loss vs tokens, one line per trial (dash = status), the common token count marked."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
@@ -104,7 +104,7 @@ def curves_figure(
         fig.add_vline(
             x=common.tokens,
             line_dash="dot",
-            annotation_text=f"common budget: {fmt_tokens(common.tokens)} tokens",
+            annotation_text=f"common token count: {fmt_tokens(common.tokens)} tokens",
         )
     fig.update_layout(
         title=f"Validation loss vs tokens ({len(fig.data)} trials; dashed: stopped early)",
@@ -114,8 +114,8 @@ def curves_figure(
     return fig
 
 
-def params_figure(trials: list[dict[str, Any]], common: CommonBudget, space: Space) -> Any:
-    """Loss at the common budget against each searched key (one panel each; log-scale keys on a
+def params_figure(trials: list[dict[str, Any]], common: CommonTokens, space: Space) -> Any:
+    """Loss at the common token count against each searched key (one panel each; log-scale keys on a
     log axis, a chosen 0 left of the range), and each completed trial's final loss as its own
     series, joined to its own point at the budget."""
     import plotly.graph_objects as go
@@ -189,8 +189,8 @@ def params_figure(trials: list[dict[str, Any]], common: CommonBudget, space: Spa
     return fig
 
 
-def contour_figure(study: Any, space: Space, common: CommonBudget) -> Any | None:
-    """Optuna's contour of the loss at the common budget over lr x weight decay (or the first
+def contour_figure(study: Any, space: Space, common: CommonTokens) -> Any | None:
+    """Optuna's contour of the loss at the common token count over lr x weight decay (or the first
     two searched keys); None with fewer than two keys. Trials with weight decay 0 have no
     point on a log axis: the title counts them."""
     import optuna
@@ -207,8 +207,8 @@ def contour_figure(study: Any, space: Space, common: CommonBudget) -> Any | None
     return fig
 
 
-def parallel_figure(study: Any, common: CommonBudget) -> Any:
-    """Optuna's parallel coordinates of the trials at the common budget. A chosen 0 of a
+def parallel_figure(study: Any, common: CommonTokens) -> Any:
+    """Optuna's parallel coordinates of the trials at the common token count. A chosen 0 of a
     log-scale key has no value on its axis (the trial lacks the key, and its `=0` axis says
     True): Optuna marks that place "None", which is relabelled 0, on the axis and in the hover."""
     import optuna
@@ -224,7 +224,7 @@ def parallel_figure(study: Any, common: CommonBudget) -> Any:
     return fig
 
 
-def importance_figure(importances: Importances, common: CommonBudget) -> Any:
+def importance_figure(importances: Importances, common: CommonTokens) -> Any:
     """Each parameter's PED-ANOVA importance (dot) and its bootstrap interval (bar)."""
     import plotly.graph_objects as go
 

@@ -14,11 +14,11 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
-from experiments.config import RayExperiment
 from experiments.noise import noise_line, verdict
+from experiments.ray_config import RayExperiment
 from experiments.record import WARM_FROM
 from experiments.report import interactive
-from experiments.report.common import CommonBudget
+from experiments.report.common import CommonTokens
 from experiments.report.importance import Importances
 from experiments.results import short_params
 from experiments.space import Space, config_value
@@ -74,7 +74,7 @@ def report_page(
     trials: list[dict[str, Any]],
     rows: list[dict[str, Any]],
     curves: list[dict[str, Any]],
-    common: CommonBudget,
+    common: CommonTokens,
     study: Any,
     ranked: Importances,
     best: dict[str, Any] | None,
@@ -82,7 +82,7 @@ def report_page(
     warm_start: str = "",
 ) -> str:
     """report.html: the summary, the trial table (`rows`: trials.parquet's), the interactive
-    plots (`study`: the trials at the common budget), the importances, the noise section, the
+    plots (`study`: the trials at the common token count), the importances, the noise section, the
     warm-start history (`warm_start`: its HTML, "" for a cold sweep) and the PNGs."""
     drawable = len(common.losses) >= 2  # Optuna's contour and parallel coordinates need two trials
     contour = interactive.contour_figure(study, space, common) if drawable else None
@@ -134,7 +134,7 @@ def best_html(best: dict[str, Any] | None) -> str:
     return PARTS.best_line(best)
 
 
-def common_note(common: CommonBudget, trials: list[dict[str, Any]]) -> str:
+def common_note(common: CommonTokens, trials: list[dict[str, Any]]) -> str:
     """What the comparisons compare, and which trials they leave out."""
     return PARTS.common_note(common, sum(t["status"] == "completed" for t in trials))
 
@@ -142,11 +142,11 @@ def common_note(common: CommonBudget, trials: list[dict[str, Any]]) -> str:
 def trial_table(
     trials: list[dict[str, Any]],
     rows: list[dict[str, Any]],
-    common: CommonBudget,
+    common: CommonTokens,
     space: Space,
     out_dir: Path,
 ) -> str:
-    """The trial table: final values, and the loss at the common budget beside them (bold)."""
+    """The trial table: final values, and the loss at the common token count beside them (bold)."""
     if not rows:
         return "<p>No trials yet.</p>"
     sci = {p.key.rpartition(".")[2] for p in space.params if p.kind == "loguniform"}
@@ -169,7 +169,7 @@ def trial_table(
     return PARTS.trial_table(headers, cells)
 
 
-def importance_html(ranked: Importances, common: CommonBudget) -> str:
+def importance_html(ranked: Importances, common: CommonTokens) -> str:
     """The importances with their intervals, or why there are none; and what to keep in mind."""
     plot = (
         interactive.div(interactive.importance_figure(ranked, common), "importance") if ranked.point else ""

@@ -1,6 +1,6 @@
 """The report's PNG plots, for pasting into a paper or a chat, drawn with matplotlib on the Agg
 canvas (no display, no pyplot state): loss curves, loss against each hyperparameter at the
-common budget, importances with their intervals, and the seed re-runs. Unfinished trials are
+common token count, importances with their intervals, and the seed re-runs. Unfinished trials are
 drawn too: a report of a running sweep shows where it is. report.html has the same plots,
 interactive (`interactive`)."""
 
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from experiments.report.common import CommonBudget, completed, evaluations, finite, param_name
-from experiments.report.data import write
+from experiments.report.common import CommonTokens, completed, evaluations, finite, param_name
 from experiments.report.importance import LEVEL, Importances
+from experiments.report.tables import write
 from experiments.results import short_params
 from experiments.space import Param, Space
 from experiments.table import fmt_tokens
@@ -57,7 +57,7 @@ def draw_sweep(
     figure: Any,
     trials: list[dict[str, Any]],
     curves: list[dict[str, Any]],
-    common: CommonBudget,
+    common: CommonTokens,
     space: Space,
     best_id: str | None,
     out_dir: Path,
@@ -69,7 +69,7 @@ def draw_sweep(
         _save(_plot_params(figure, trials, common, space, best_id), out_dir / "params.png")
 
 
-def draw_importance(figure: Any, importances: Importances, common: CommonBudget, out_dir: Path) -> None:
+def draw_importance(figure: Any, importances: Importances, common: CommonTokens, out_dir: Path) -> None:
     """importance.png: each parameter's importance and its bootstrap interval; none when the
     importances were not ranked (too few trials: the page says why)."""
     (out_dir / "importance.png").unlink(missing_ok=True)  # never leave a stale one behind
@@ -149,10 +149,10 @@ def x_value(p: Param, value: Any) -> Any:
 
 
 def param_panels(
-    trials: list[dict[str, Any]], common: CommonBudget, space: Space
+    trials: list[dict[str, Any]], common: CommonTokens, space: Space
 ) -> Iterator[tuple[Param, str, dict[str, Any], dict[str, list[dict[str, Any]]]]]:
     """For each searched key, one panel of the loss-vs-hyperparameter plot: the key, its name,
-    each trial's x, and the trials compared at the common budget by status."""
+    each trial's x, and the trials compared at the common token count by status."""
     for p in space.params:
         name = param_name(p.key)
         x = {t["trial_id"]: x_value(p, short_params(t["config"]).get(name)) for t in trials}
@@ -176,7 +176,7 @@ def _plot_curves(
     fa: tuple[Any, Any],
     trials: list[dict[str, Any]],
     curves: list[dict[str, Any]],
-    common: CommonBudget,
+    common: CommonTokens,
     best_id: str | None,
 ) -> Any:
     fig, ax = fa
@@ -198,7 +198,7 @@ def _plot_curves(
             ax.plot(*pts[-1], marker="X", color="tab:orange", ms=9)
     if common.losses:
         ax.axvline(
-            common.tokens, color="k", ls=":", lw=1, label=f"common budget ({fmt_tokens(common.tokens)})"
+            common.tokens, color="k", ls=":", lw=1, label=f"common token count ({fmt_tokens(common.tokens)})"
         )
     _token_axis(ax.xaxis)
     ax.set(xlabel="tokens", ylabel="validation loss", title="Validation loss per trial")
@@ -209,9 +209,9 @@ def _plot_curves(
 
 
 def _plot_params(
-    figure: Any, trials: list[dict[str, Any]], common: CommonBudget, space: Space, best_id: str | None
+    figure: Any, trials: list[dict[str, Any]], common: CommonTokens, space: Space, best_id: str | None
 ) -> Any:
-    """One panel per searched key: every compared trial's loss at the common budget (blue,
+    """One panel per searched key: every compared trial's loss at the common token count (blue,
     marker = status) and, as its own series, each completed trial's final loss (red star, joined
     to its own point at the budget: the gap is training, not the hyperparameter)."""
     fig, axes = figure(max(8.0, 4.0 * len(space.params)), 4.5, ncols=len(space.params))

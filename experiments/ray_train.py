@@ -26,7 +26,7 @@ from experiments.cluster import (
     verify_shared_storage,
     verify_trial_nodes,
 )
-from experiments.config import RayExperiment, checked_for_workers, experiment_from_dict
+from experiments.ray_config import RayExperiment, checked_for_workers, experiment_from_dict
 from gptcore.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from gptcore.errors import DivergedError, UserError
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.noise import NOISE_FILE
-from experiments.report.common import CommonBudget
+from experiments.report.common import CommonTokens
 from experiments.results import short_params
 from gptcore.atomic import atomic_file
 from gptcore.errors import UserError
@@ -35,9 +35,9 @@ PARAMS = ("lr", "weight_decay", "warmup")  # always present, first; other search
 CURVE_COLUMNS = ("trial_id", "tokens", "step", "loss", "val_loss", "lr", "tokens_per_sec")
 
 
-def trial_rows(trials: list[dict[str, Any]], common: CommonBudget) -> list[dict[str, Any]]:
+def trial_rows(trials: list[dict[str, Any]], common: CommonTokens) -> list[dict[str, Any]]:
     """One flat row per trial (best final loss first): rank, id, hyperparameters, tokens, final
-    loss, the common budget and the loss there (NaN for a trial not compared), best loss, bpb,
+    loss, the common token count and the loss there (NaN for a trial not compared), best loss, bpb,
     status, times, node, checkpoint, reason. An empty list when there are no trials."""
     names = {k for t in trials for k in short_params(t["config"])}
     params = [*PARAMS, *sorted(names - set(PARAMS))]

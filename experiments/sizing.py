@@ -3,8 +3,8 @@ trial's tokens, ASHA's grace and rungs, what one trial reserves, and how many fi
 
 from __future__ import annotations
 
-from experiments.config import RayExperiment, SweepLimit, parse_budget
-from gptcore.config import run_budget
+from experiments.ray_config import RayExperiment, SweepLimit, parse_budget
+from gptcore.config import run_length
 from gptcore.errors import UserError
 
 # A DDP trial's Tune process only waits on its TorchTrainer, whose workers reserve the CPUs/GPUs.
@@ -12,14 +12,14 @@ DDP_DRIVER_CPU = 0.01
 
 
 def trial_tokens(cfg: RayExperiment) -> int:
-    """The per-trial budget in tokens (ASHA's max_t)."""
-    return run_budget(cfg, cfg.resources.workers).total_tokens
+    """A trial's length in tokens (ASHA's max_t)."""
+    return run_length(cfg, cfg.resources.workers).total_tokens
 
 
 def first_report_tokens(cfg: RayExperiment) -> int:
     """The tokens a trial has trained at its first report (its first evaluation)."""
-    budget = run_budget(cfg, cfg.resources.workers)
-    return budget.tokens_per_step * min(cfg.train.eval_interval, budget.total_steps)
+    length = run_length(cfg, cfg.resources.workers)
+    return length.tokens_per_step * min(cfg.train.eval_interval, length.total_steps)
 
 
 def sweep_limit(cfg: RayExperiment) -> SweepLimit | None:
@@ -96,7 +96,7 @@ def startup_trials(num_samples: int) -> int:
 
 
 def asha_rungs(grace: int, max_t: int, reduction_factor: int) -> list[int]:
-    """The token counts at which ASHA compares trials, ending with the full budget."""
+    """The token counts at which ASHA compares trials, ending with a full trial."""
     rungs, milestone = [], grace
     while milestone < max_t:
         rungs.append(milestone)
