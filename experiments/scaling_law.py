@@ -85,7 +85,7 @@ class LossFit:
     beta: float
     residuals: list[float]  # log(observed) - log(fitted), per run as given
 
-    def loss(self, params, tokens):
+    def loss(self, params: float | np.ndarray, tokens: float | np.ndarray) -> float | np.ndarray:
         return self.E + self.A / params**self.alpha + self.B / tokens**self.beta
 
 
@@ -125,11 +125,7 @@ def _profile(runs: list[Run]) -> Profile:
     c2, c1, c0 = np.polyfit(logn, losses, 2) if sizes >= 3 else (0.0, 0.0, 0.0)
     if c2 <= 0:  # no minimum to read: the best run stands in, flagged
         best = runs[int(np.argmin(losses))]
-        why = (
-            f"only {sizes} sizes, a parabola needs 3"
-            if sizes < 3
-            else "the loss against log N has no minimum"
-        )
+        why = f"only {sizes} sizes" if sizes < 3 else "the loss against log N has no minimum"
         return Profile(flops, sizes, best.params, best.tokens, best.loss, f"{why}; add sizes")
     x = -c1 / (2 * c2)
     slope, intercept = np.polyfit(logn, logd, 1)
@@ -204,6 +200,7 @@ def _objective(theta, logn, logd, logl) -> tuple[float, np.ndarray]:
 
 
 def _grid_starts(logn, logd, logl) -> np.ndarray:
+    """Per (alpha, beta) of the grid, the grid's best (log A, log B, log E) for it: 25 starts."""
     pairs = len(EXPONENTS) ** 2
     grid = np.array(list(product(EXPONENTS, EXPONENTS, LOG_COEFS, LOG_COEFS, LOG_E)))[:, [2, 3, 4, 0, 1]]
     u = (_log_loss(_terms(grid, logn, logd)) - logl) / HUBER_DELTA
@@ -235,8 +232,9 @@ def fit_loss(runs: Sequence[Run], start: LossFit | None = None) -> LossFit:
         finalists = _shift(
             [math.log(start.A), math.log(start.B), math.log(start.E), start.alpha, start.beta], *centre
         )[None]
-    else:  # every start takes a few steps and the best few go on: on Chinchilla-like series, the same
-        # minimum as taking every start to the end, in a third of the time
+    else:
+        # Every start takes a few steps and the best few go on: on Chinchilla-like series, the same
+        # minimum as taking every start to the end, in a quarter to a half of the steps.
         scouts = sorted(
             (descend(x0, SCOUT_STEPS) for x0 in _shift(_grid_starts(logn, logd, logl), *centre)),
             key=lambda f: f.fun,
@@ -263,6 +261,19 @@ def _bootstrap(fit: Callable[[list[Run]], T], groups: list[list[Run]], resamples
 
 
 @dataclass(frozen=True)
+class Estimate:
+    """A value and the central interval of its bootstrap distribution."""
+
+    value: float
+    low: float
+    high: float
+
+    def text(self, level: float, digits: int = 3) -> str:
+        low, high = (_fmt(v, digits) for v in (self.low, self.high))
+        return f"{_fmt(self.value, digits)} ({level:.0%}: {low}-{high})"
+
+
+@dataclass(frozen=True)
 class Forecast:
     """What the fits say of one run at `flops`; each interval is the bootstrap's central `level`."""
 
@@ -271,15 +282,12 @@ class Forecast:
     resamples: int
     params: float  # compute-optimal N under the parametric fit, among the caller's candidates
     tokens: float  # C / flops_per_token at that N
-    loss: float  # the parametric fit's loss there
-    loss_interval: tuple[float, float]  # for one new run: the fit's uncertainty and the runs' scatter
+    loss: Estimate  # the fit's loss there; the interval is for one new run, scatter included
     fit: LossFit
-    fit_intervals: dict[str, tuple[float, float]]  # E, A, B, alpha, beta
+    parameters: dict[str, Estimate]  # E, A, B, alpha, beta
     isoflop: IsoFlopFit
-    isoflop_params: float  # approach 2's N*(C), extrapolated
-    isoflop_params_interval: tuple[float, float]
-    isoflop_tokens: float
-    isoflop_tokens_interval: tuple[float, float]
+    isoflop_params: Estimate  # approach 2's N*(C), extrapolated
+    isoflop_tokens: Estimate
     rule_params: float  # the candidate closest to TOKENS_PER_PARAM tokens per param
     rule_tokens: float
     rule_loss: float  # the parametric fit's loss there
@@ -287,24 +295,22 @@ class Forecast:
 
     def describe(self) -> list[str]:
         """Short lines for the terminal."""
+        level, iso = self.level, self.isoflop
 
-        def spread(x: float, interval: tuple[float, float], digits: int = 3) -> str:
-            low, high = (_fmt(v, digits) for v in interval)
-            return f"{_fmt(x, digits)} ({self.level:.0%}: {low}-{high})"
+        def fitted(*names: str) -> str:
+            return ", ".join(f"{k} = {self.parameters[k].text(level)}" for k in names)
 
-        fit, intervals = self.fit, self.fit_intervals
         return [
             f"forecast at C = {_fmt(self.flops)} FLOPs ({self.resamples} bootstrap resamples)",
             f"  compute-optimal: N = {_fmt(self.params)} params, D = {_fmt(self.tokens)} tokens "
-            f"({self.tokens / self.params:.3g} tokens/param)",
-            f"  loss = {spread(self.loss, self.loss_interval, 4)} nats, for one run",
-            f"  IsoFLOP: N* = {spread(self.isoflop_params, self.isoflop_params_interval)} params, "
-            f"D* = {spread(self.isoflop_tokens, self.isoflop_tokens_interval)} tokens "
-            f"(N* ~ C^{self.isoflop.a:.3f}, D* ~ C^{self.isoflop.b:.3f})",
+            f"({_fmt(self.tokens / self.params)} tokens/param)",
+            f"  loss = {self.loss.text(level, 4)} nats, for one run",
+            f"  IsoFLOP: N* = {self.isoflop_params.text(level)} params ~ C^{iso.a:.3f}",
+            f"           D* = {self.isoflop_tokens.text(level)} tokens ~ C^{iso.b:.3f}",
             f"  {TOKENS_PER_PARAM:g} tokens/param: N = {_fmt(self.rule_params)} params, "
             f"D = {_fmt(self.rule_tokens)} tokens, loss = {_fmt(self.rule_loss, 4)} nats",
-            "  L = E + A/N^alpha + B/D^beta: "
-            + ", ".join(f"{k} = {spread(getattr(fit, k), intervals[k])}" for k in intervals),
+            f"  L = E + A/N^alpha + B/D^beta: {fitted('E', 'A', 'B')}",
+            f"    {fitted('alpha', 'beta')}",
             *(f"  note: {note}" for note in self.notes),
         ]
 
@@ -332,11 +338,12 @@ def forecast(
     iso_fits = _bootstrap(lambda s: _isoflop(_budgets(s)), _budgets(runs), resamples, rng)
     loss_fits = _bootstrap(lambda s: fit_loss(s, start=fit), [runs], resamples, rng)
 
-    def interval(values) -> tuple[float, float]:
-        if not len(values):
-            return math.nan, math.nan
-        low, high = np.percentile(values, [50 * (1 - level), 50 * (1 + level)])
-        return float(low), float(high)
+    def estimate(value: float, samples) -> Estimate:
+        """`value` and its samples' central `level` (nan where no resample could be fitted)."""
+        bounds = (
+            np.percentile(samples, [50 * (1 - level), 50 * (1 + level)]) if len(samples) else [math.nan] * 2
+        )
+        return Estimate(float(value), *map(float, bounds))
 
     n = np.array([s[0] for s in sizes], dtype=float)
     d = flops / np.array([s[1] for s in sizes], dtype=float)
@@ -362,17 +369,15 @@ def forecast(
         resamples=resamples,
         params=float(n[best]),
         tokens=float(d[best]),
-        loss=float(fit.loss(n[best], d[best])),
-        loss_interval=interval(np.concatenate(predicted) if predicted else []),
+        loss=estimate(fit.loss(n[best], d[best]), np.concatenate(predicted) if predicted else []),
         fit=fit,
-        fit_intervals={
-            k: interval([getattr(f, k) for f in loss_fits]) for k in ("E", "A", "B", "alpha", "beta")
+        parameters={
+            k: estimate(getattr(fit, k), [getattr(f, k) for f in loss_fits])
+            for k in ("E", "A", "B", "alpha", "beta")
         },
         isoflop=iso,
-        isoflop_params=iso.params(flops),
-        isoflop_params_interval=interval([f.params(flops) for f in iso_fits]),
-        isoflop_tokens=iso.tokens(flops),
-        isoflop_tokens_interval=interval([f.tokens(flops) for f in iso_fits]),
+        isoflop_params=estimate(iso.params(flops), [f.params(flops) for f in iso_fits]),
+        isoflop_tokens=estimate(iso.tokens(flops), [f.tokens(flops) for f in iso_fits]),
         rule_params=float(n[rule]),
         rule_tokens=float(d[rule]),
         rule_loss=float(fit.loss(n[rule], d[rule])),

@@ -54,8 +54,11 @@ def test_the_parametric_fit_recovers_the_law_and_its_intervals_hold_it(noisy):
     assert fit.alpha == pytest.approx(TRUE["alpha"], abs=0.04)
     assert fit.beta == pytest.approx(TRUE["beta"], abs=0.04)
     assert abs(fit.E - TRUE["E"]) < 0.25
-    for name, (low, high) in noisy.fit_intervals.items():
-        assert low < getattr(fit, name) < high and low < TRUE[name] < high, name
+    for name, estimate in noisy.parameters.items():
+        assert estimate.value == getattr(fit, name)
+        assert estimate.low < estimate.value < estimate.high and estimate.low < TRUE[name] < estimate.high, (
+            name
+        )
     assert np.std(fit.residuals) == pytest.approx(NOISE, rel=0.5)
 
 
@@ -84,14 +87,15 @@ def test_the_forecast_brackets_a_new_run_at_four_times_the_largest_budget(noisy)
     new_run = true_loss(noisy.params, noisy.tokens) * math.exp(
         NOISE * np.random.default_rng(1).standard_normal()
     )
-    low, high = noisy.loss_interval
-    assert low < new_run < high and low < noisy.loss < high
-    assert high - low < 0.1  # and the interval says something
-    assert noisy.isoflop_params == pytest.approx(optimal_params(TARGET), rel=0.15)
-    assert noisy.isoflop_params_interval[0] < optimal_params(TARGET) < noisy.isoflop_params_interval[1]
+    loss = noisy.loss
+    assert loss.low < new_run < loss.high and loss.low < loss.value < loss.high
+    assert loss.high - loss.low < 0.1  # and the interval says something
+    iso = noisy.isoflop_params
+    assert iso.value == pytest.approx(optimal_params(TARGET), rel=0.15)
+    assert iso.low < optimal_params(TARGET) < iso.high
     assert noisy.rule_tokens / noisy.rule_params == pytest.approx(20, rel=0.02)
     assert noisy.rule_loss == pytest.approx(noisy.fit.loss(noisy.rule_params, noisy.rule_tokens))
-    assert noisy.rule_loss > noisy.loss  # this law's optimum is not at 20 tokens per param
+    assert noisy.rule_loss > noisy.loss.value  # this law's optimum is not at 20 tokens per param
     lines = noisy.describe()
     assert lines[0] == "forecast at C = 2.56e+18 FLOPs (100 bootstrap resamples)"
     assert any(line.startswith("  loss = ") and "(90%: " in line for line in lines)
@@ -138,4 +142,4 @@ def test_the_forecast_is_deterministic_for_a_seed():
     first, again = (dataclasses.asdict(forecast(runs, TARGET, CANDIDATES, resamples=10)) for _ in range(2))
     other = dataclasses.asdict(forecast(runs, TARGET, CANDIDATES, resamples=10, seed=1))
     assert first == again
-    assert first["loss_interval"] != other["loss_interval"]
+    assert first["loss"] != other["loss"]
