@@ -55,10 +55,8 @@ def test_the_parametric_fit_recovers_the_law_and_its_intervals_hold_it(noisy):
     assert fit.beta == pytest.approx(TRUE["beta"], abs=0.04)
     assert abs(fit.E - TRUE["E"]) < 0.25
     for name, estimate in noisy.parameters.items():
-        assert estimate.value == getattr(fit, name)
-        assert estimate.low < estimate.value < estimate.high and estimate.low < TRUE[name] < estimate.high, (
-            name
-        )
+        assert estimate.low < estimate.value == getattr(fit, name) < estimate.high, name
+        assert estimate.low < TRUE[name] < estimate.high, name
     assert np.std(fit.residuals) == pytest.approx(NOISE, rel=0.5)
 
 
@@ -126,6 +124,7 @@ RUNS = series(noise=0.0)
         (fit_loss, [dataclasses.replace(RUNS[0], tokens=math.nan), *RUNS[1:]], "positive and finite"),
         (fit_loss, RUNS[:4], "got 4 runs"),
         (fit_loss, [dataclasses.replace(run, params=1e7) for run in RUNS], "1 sizes"),
+        (fit_loss, [dataclasses.replace(run, tokens=1e9) for run in RUNS], "1 token counts"),
         (fit_isoflop, series(noise=0.0, octaves=range(3, 8)), "only 0 of 4 compute budgets"),
         (lambda runs: forecast(runs, -1.0, CANDIDATES), RUNS, "-1 FLOPs"),
         (lambda runs: forecast(runs, TARGET, []), RUNS, "candidate sizes"),
