@@ -24,12 +24,12 @@ from gptcore.errors import UserError
 SAME_BUDGET = 0.01  # relative: a budget's runs round their tokens to whole steps, so their flops differ a bit
 HUBER_DELTA = 1e-3  # on log-loss, as Besiroglu et al.: below it residuals count squared, above linearly
 TOKENS_PER_PARAM = 20.0  # Chinchilla's rule of thumb, printed for comparison
-# Approach 3's starts: alpha, beta on Besiroglu et al.'s grid; each pair starts from its best (log A, log B,
-# log E) on a coarse grid, scored in one vectorized pass, so 25 L-BFGS-B runs replace their 4500.
+# Approach 3's starts: Besiroglu et al.'s grid of 4500, scored in one vectorized pass; L-BFGS-B starts from
+# each (alpha, beta) pair's best point, 25 starts where they minimize from all 4500.
 EXPONENTS = (0.0, 0.5, 1.0, 1.5, 2.0)
 LOG_COEFS = (0.0, 5.0, 10.0, 15.0, 20.0, 25.0)
 LOG_E = (-1.0, -0.5, 0.0, 0.5, 1.0)
-SCOUT_STEPS, FINALISTS = 10, 3
+SCOUT_STEPS, FINALISTS = 10, 3  # every start takes SCOUT_STEPS; the FINALISTS best go on to the end
 BOUNDS = [(None, None)] * 3 + [(0.0, 3.0)] * 2  # (log A, log B, log E, alpha, beta)
 
 T = TypeVar("T")
