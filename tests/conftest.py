@@ -21,6 +21,10 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# One OpenBLAS thread in each test process, set before numpy and scipy load and read it (the one_thread
+# fixture comes too late for that): scipy>=1.15's L-BFGS-B calls LAPACK at every step, and beside other
+# work OpenBLAS's thread handoffs made tests/test_scaling_law.py ten times slower (scipy issue 22438).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 WORDS = (
     "the king queen speaks to a fool and lord of night day sword crown love death "
     "sweet good my thy thee doth hath shall not is was her his"
