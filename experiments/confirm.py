@@ -25,24 +25,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments import remote
 from experiments.autoscale import room_for
 from experiments.cluster import ray_session, verify_trial_nodes
 from experiments.experiment import (
     open_experiment,
     read_meta,
-    remove_experiment,
     save,
-    saved_meta,
-    start_experiment,
 )
+from experiments.grid import resumable, run_grid
 from experiments.noise import NOISE_FILE, measure_noise, print_noise
 from experiments.outcome import ranked
 from experiments.ray_config import RayExperiment, load_experiment
 from experiments.results import load_trials
 from experiments.sizing import local_extra_cpus, trial_bundles
 from experiments.space import parse_space
-from experiments.tuner import new_tuner, restore_tuner
 from gptcore.errors import UserError
 
 CONFIRM_DIR = "confirm"
@@ -113,10 +109,16 @@ def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart:
     )
     with room_for(trial_bundles(cfg), width, "one run", None):
         verify_trial_nodes(cfg.data.dir)
-        if not restore:
-            remove_experiment(conf_dir)  # --restart, or killed before Tune saved anything
-            start_experiment(conf_dir, cfg, {**meta, **plan})
-        _confirm_tuner(cfg, candidates, conf_dir, width, plan, restore, exp_dir.name).fit()
+        run_grid(
+            cfg,
+            candidates,
+            conf_dir,
+            width,
+            grid={"candidate": plan["candidates"], "train.seed": plan["seeds"]},
+            meta={**meta, **plan},
+            restore=restore,
+            tracking_name=f"{exp_dir.name}-confirm",
+        )
     noise = measure_noise(sweep_trials, load_trials(conf_dir), plan)
     save(exp_dir, NOISE_FILE, json.dumps(noise, indent=1))
     print_noise(noise)
@@ -124,49 +126,10 @@ def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart:
     return 0
 
 
-def _confirm_tuner(
-    cfg: RayExperiment,
-    candidates: Candidates,
-    conf_dir: Path,
-    width: int,
-    plan: dict[str, Any],
-    restore: bool,
-    name: str,
-) -> Any:
-    """The confirm experiment's Tuner: a grid over candidate x seed, or the interrupted one."""
-    from ray import tune
-
-    if restore:
-        return restore_tuner(cfg, candidates, conf_dir)
-    return new_tuner(
-        cfg,
-        candidates,
-        conf_dir,
-        width,
-        tune_config=tune.TuneConfig(),
-        param_space={
-            "candidate": tune.grid_search(plan["candidates"]),
-            "train.seed": tune.grid_search(plan["seeds"]),
-        },
-        tracking_name=f"{name}-confirm",
-    )
-
-
 def _can_restore(conf_dir: Path, plan: dict[str, Any], restart: bool) -> bool:
-    """True to resume an earlier confirm of the same plan; a different plan needs --restart.
-    Deletes nothing (`confirm` does, once the cluster has answered)."""
-    from ray import tune
-
-    if not conf_dir.exists():
-        return False
-    saved = saved_meta(conf_dir)
-    same = {k: saved.get(k) for k in plan} == plan
-    if same and not restart and tune.Tuner.can_restore(remote.location(conf_dir)):
-        return True
-    if not same and not restart and saved:
-        raise UserError(
-            f"{conf_dir} holds a confirm of {len(saved['candidates'])} configs x "
-            f"{len(saved['seeds'])} seeds; rerun with those, or pass --restart to "
-            "replace it"
-        )
-    return False
+    return resumable(
+        conf_dir,
+        plan,
+        restart,
+        lambda saved: f"a confirm of {len(saved['candidates'])} configs x {len(saved['seeds'])} seeds",
+    )

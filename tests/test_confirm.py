@@ -160,16 +160,20 @@ def test_print_noise_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_only_the_sweep_counts_its_budget(tiny_data: Path, tmp_path: Path) -> None:
-    """`sweep.budget` bounds the sweep, not its confirm: the confirm's Tuner has no budget (with
-    the sweep's, a confirm that outlasted it would end its re-runs and announce them as "cut by
-    the sweep budget"). No Ray: the Tuners are built, not run, as the sweep and confirm build them."""
-    from experiments.confirm import Candidates, _confirm_tuner
+    """`sweep.budget` bounds the sweep, not its confirm: the confirm's Tuner (a grid's, as
+    `gptrun scale`'s) has no budget (with the sweep's, a confirm that outlasted it would end its
+    re-runs and announce them as "cut by the sweep budget"). No Ray: the Tuner is built, not run,
+    as confirm builds it."""
+    from experiments.confirm import Candidates
+    from experiments.grid import grid_tuner
 
     cfg = load_experiment(
         write_sweep_config(tiny_data, tmp_path, n=2, max_steps=8, sweep_keys='budget = "1m"')
     )
-    plan = {"candidates": ["a"], "seeds": [1, 2]}
-    confirm = _confirm_tuner(cfg, Candidates({"a": {}}), tmp_path / "confirm", 1, plan, False, "c")
+    grid = {"candidate": ["a"], "train.seed": [1, 2]}
+    confirm = grid_tuner(
+        cfg, Candidates({"a": {}}), tmp_path / "confirm", 1, grid=grid, restore=False, tracking_name="c"
+    )
     run_config = confirm._local_tuner.get_run_config()  # Ray keeps it on its local TunerInternal
     assert run_config.stop is None, run_config.stop
 
