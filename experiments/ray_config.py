@@ -142,10 +142,32 @@ def parse_duration(text: str) -> float:
 
 
 @dataclass
+class ScaleConfig:
+    """`gptrun scale`'s miniseries (`experiments.scale`): `budgets` training budgets in FLOPs,
+    a geometric series from `min_flops` to `max_flops`, and at each budget one run per width in
+    `widths` (d_model, at the config's depth and head size), each trained for the budget's
+    tokens at its size. Checked when `gptrun scale` reads it: other commands ignore it."""
+
+    min_flops: float = 0.0
+    max_flops: float = 0.0
+    budgets: int = 3
+    widths: list[int] = field(default_factory=list)
+
+
+@dataclass
 class RayExperiment(ExperimentConfig):
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As gptcore saves a config, without an unset `[scale]`: a sweep's best.toml or a
+        trial's checkpoint has no series to describe."""
+        raw = super().to_dict()
+        if self.scale == ScaleConfig():
+            del raw["scale"]
+        return raw
 
 
 def load_experiment(

@@ -285,8 +285,8 @@ class Forecast:
     loss: Estimate  # the fit's loss there; the interval is for one new run, scatter included
     fit: LossFit
     parameters: dict[str, Estimate]  # E, A, B, alpha, beta
-    isoflop: IsoFlopFit
-    isoflop_params: Estimate  # approach 2's N*(C), extrapolated
+    isoflop: IsoFlopFit | None  # None where the profiles did not bracket their minima (see notes)
+    isoflop_params: Estimate  # approach 2's N*(C), extrapolated (nan without an IsoFLOP fit)
     isoflop_tokens: Estimate
     rule_params: float  # the candidate closest to TOKENS_PER_PARAM tokens per param
     rule_tokens: float
@@ -300,13 +300,20 @@ class Forecast:
         def fitted(*names: str) -> str:
             return ", ".join(f"{k} = {self.parameters[k].text(level)}" for k in names)
 
+        isoflop = (
+            [
+                f"  IsoFLOP: N* = {self.isoflop_params.text(level)} params ~ C^{iso.a:.3f}",
+                f"           D* = {self.isoflop_tokens.text(level)} tokens ~ C^{iso.b:.3f}",
+            ]
+            if iso is not None
+            else []
+        )
         return [
             f"forecast at C = {_fmt(self.flops)} FLOPs ({self.resamples} bootstrap resamples)",
             f"  compute-optimal: N = {_fmt(self.params)} params, D = {_fmt(self.tokens)} tokens "
             f"({_fmt(self.tokens / self.params)} tokens/param)",
             f"  loss = {self.loss.text(level, 4)} nats, for one run",
-            f"  IsoFLOP: N* = {self.isoflop_params.text(level)} params ~ C^{iso.a:.3f}",
-            f"           D* = {self.isoflop_tokens.text(level)} tokens ~ C^{iso.b:.3f}",
+            *isoflop,
             f"  {TOKENS_PER_PARAM:g} tokens/param: N = {_fmt(self.rule_params)} params, "
             f"D = {_fmt(self.rule_tokens)} tokens, loss = {_fmt(self.rule_loss, 4)} nats",
             f"  L = E + A/N^alpha + B/D^beta: {fitted('E', 'A', 'B')}",
@@ -333,9 +340,19 @@ def forecast(
     if not (0 < level < 1 and resamples >= 1):
         raise UserError(f"level={level:g}, resamples={resamples}: the level lies in (0, 1), resamples >= 1")
     runs = _checked(runs)
-    iso, fit = fit_isoflop(runs), fit_loss(runs)
+    fit = fit_loss(runs)
+    try:
+        iso: IsoFlopFit | None = fit_isoflop(runs)
+    except UserError as err:  # the forecast stands on L(N, D); approach 2 is its cross-check
+        iso, notes = None, [f"no IsoFLOP fit: {err}"]
+    else:
+        notes = [
+            f"the budget of {_fmt(p.flops)} FLOPs is left out of the power laws: {p.flag}"
+            for p in iso.profiles
+            if p.flag
+        ]
     rng = np.random.default_rng(seed)
-    iso_fits = _bootstrap(lambda s: _isoflop(_budgets(s)), _budgets(runs), resamples, rng)
+    iso_fits = _bootstrap(lambda s: _isoflop(_budgets(s)), _budgets(runs), resamples, rng) if iso else []
     loss_fits = _bootstrap(lambda s: fit_loss(s, start=fit), [runs], resamples, rng)
 
     def estimate(value: float, samples) -> Estimate:
@@ -353,15 +370,10 @@ def forecast(
     # Per resample, its prediction times each of its residuals on every run (in-sample residuals
     # alone would understate the scatter): every residual rather than one drawn, the same distribution.
     predicted = [f.loss(n[best], d[best]) * run_loss / f.loss(run_n, run_d) for f in loss_fits]
-    notes = [
-        f"the budget of {_fmt(p.flops)} FLOPs is left out of the power laws: {p.flag}"
-        for p in iso.profiles
-        if p.flag
-    ]
     if best in (0, len(sizes) - 1) and len(sizes) > 1:
         notes.append("the compute-optimal size is the smallest or largest candidate: widen the candidates")
     for name, kept in (("IsoFLOP", len(iso_fits)), ("parametric", len(loss_fits))):
-        if kept < resamples:
+        if kept < resamples and (iso or name == "parametric"):
             notes.append(f"{resamples - kept} of {resamples} {name} resamples could not be fitted, skipped")
     return Forecast(
         flops=float(flops),
@@ -376,8 +388,8 @@ def forecast(
             for k in ("E", "A", "B", "alpha", "beta")
         },
         isoflop=iso,
-        isoflop_params=estimate(iso.params(flops), [f.params(flops) for f in iso_fits]),
-        isoflop_tokens=estimate(iso.tokens(flops), [f.tokens(flops) for f in iso_fits]),
+        isoflop_params=estimate(iso.params(flops) if iso else math.nan, [f.params(flops) for f in iso_fits]),
+        isoflop_tokens=estimate(iso.tokens(flops) if iso else math.nan, [f.tokens(flops) for f in iso_fits]),
         rule_params=float(n[rule]),
         rule_tokens=float(d[rule]),
         rule_loss=float(fit.loss(n[rule], d[rule])),

@@ -425,10 +425,12 @@ def _coerce(key: str, want: Any, value: Any) -> Any:
         for arm in get_args(want):
             with contextlib.suppress(UserError):
                 return _coerce(key, arm, value)
-    elif get_origin(want) is list:  # list[str]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+    elif get_origin(want) is list:  # list[str], list[int]
+        (item,) = get_args(want)
+        if isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in value):
             return value
-        raise UserError(f"config key {key} must be a list of strings, got {value!r}")
+        words = {str: "strings", int: "integers"}[item]
+        raise UserError(f"config key {key} must be a list of {words}, got {value!r}")
     elif isinstance(value, dict):  # dict[str, Any]
         return value
     arms = get_args(want) if isinstance(want, types.UnionType) else (want,)

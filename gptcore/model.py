@@ -378,8 +378,13 @@ class GPT(nn.Module):
         are ignored.
         """
         T = self.cfg.seq_len if seq_len is None else seq_len
-        n_matmul = self.num_params(non_embedding=True) + self.cfg.vocab_size * self.cfg.d_model
-        return 6.0 * n_matmul + 12.0 * self.cfg.n_layer * self.cfg.d_model * T
+        return 6.0 * self.matmul_params() + 12.0 * self.cfg.n_layer * self.cfg.d_model * T
+
+    def matmul_params(self) -> int:
+        """The weights a token's activations are multiplied by: the non-embedding parameters
+        plus the lm_head (tied to the embedding, but still a matmul). The N of `flops_per_token`,
+        and of `gptrun scale`'s scaling laws."""
+        return self.num_params(non_embedding=True) + self.cfg.vocab_size * self.cfg.d_model
 
 
 def sample(

@@ -10,15 +10,19 @@ import json
 import os
 import pickle
 import random
+import signal
 import subprocess
 import sys
+import time
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from benchmarks.kill_anywhere import kill_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 # One OpenBLAS thread in each test process, set before numpy and scipy load and read it (the one_thread
@@ -130,6 +134,47 @@ def load_local_module() -> Any:
 def free_ports(n: int) -> list[int]:
     """n distinct ports free on 127.0.0.1 now (cluster/local.py's choice, one copy of it)."""
     return load_local_module().free_ports(n, set())
+
+
+def saved_trials(exp_dir: Path) -> dict[str, tuple[str, float]]:
+    """Trial id -> (status, step of its last result) as Tune last saved them for a resume, from
+    the newest `experiment_state-*.json` (a file still being copied raises JSONDecodeError)."""
+    files = sorted(exp_dir.glob("experiment_state-*.json"))
+    if not files:
+        return {}
+    saved = {}
+    for trial_json, meta_json in json.loads(files[-1].read_text())["trial_data"]:
+        trial, meta = json.loads(trial_json), json.loads(meta_json)
+        saved[trial["trial_id"]] = (trial["status"], (meta.get("last_result") or {}).get("step", 0.0))
+    return saved
+
+
+def kill_when(args: list[str], ready: Callable[[], bool], what: str) -> None:
+    """Start a sweep driver and SIGKILL it (and the local Ray it started) once `ready()` holds.
+    `ready` reads the files the driver writes while the driver is stopped (SIGSTOP), so that
+    they cannot change between the check and the kill."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    driver = subprocess.Popen(
+        args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if driver.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"the sweep {'ended' if driver.poll() is not None else 'timed out'} before {what}"
+                )
+            os.kill(driver.pid, signal.SIGSTOP)
+            try:
+                if ready():
+                    break
+            except (json.JSONDecodeError, pickle.UnpicklingError, EOFError):  # a file half copied
+                pass
+            os.kill(driver.pid, signal.SIGCONT)
+            time.sleep(0.5)  # poll again
+    finally:  # the driver and the local Ray it started, by id, all gone before a resume
+        kill_sweep(driver)
+        driver.wait(timeout=30)
 
 
 def resume_checkpoints(states: Iterable[str]) -> dict[str, Any]:
@@ -425,6 +470,7 @@ COMMANDS = {
     "sweep": "ray",
     "resume": "ray",
     "confirm": "ray",
+    "scale": "ray",
     "train": "train",
     "sample": "train",
     "doctor": "train",

@@ -142,3 +142,15 @@ def test_the_forecast_is_deterministic_for_a_seed():
     other = dataclasses.asdict(forecast(runs, TARGET, CANDIDATES, resamples=10, seed=1))
     assert first == again
     assert first["loss"] != other["loss"]
+
+
+def test_without_an_isoflop_fit_the_forecast_stands_on_the_parametric_one():
+    """Profiles that never bracket their minimum (every size above it, as a series too small for
+    its sizes gives) leave approach 2 out, said in a note; L(N, D) still forecasts."""
+    runs = series(noise=0.0, octaves=range(3, 8))
+    result = forecast(runs, TARGET, CANDIDATES, resamples=10)
+    assert result.isoflop is None and math.isnan(result.isoflop_params.value)
+    assert any("no IsoFLOP fit: only 0 of 4" in note for note in result.notes), result.notes
+    assert result.params == pytest.approx(optimal_params(TARGET), rel=0.15)
+    lines = result.describe()
+    assert not any("IsoFLOP:" in line for line in lines) and any("no IsoFLOP fit" in line for line in lines)

@@ -9,26 +9,29 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import pickle
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from benchmarks.kill_anywhere import kill_sweep
 from experiments.events import budget_spent
 from experiments.experiment import read_events
 from experiments.ray_config import SweepLimit, load_experiment, parse_budget
 from experiments.sizing import sweep_limit
 from gptcore.errors import UserError
-from tests.conftest import REPO, assert_user_error, run_cli, study_trials, study_values, write_sweep_config
+from tests.conftest import (
+    assert_user_error,
+    kill_when,
+    run_cli,
+    saved_trials,
+    study_trials,
+    study_values,
+    write_sweep_config,
+)
 
 
 def trial_records(exp_dir: Path) -> dict[str, list[dict]]:
@@ -43,47 +46,6 @@ def trial_records(exp_dir: Path) -> dict[str, list[dict]]:
         if lines:
             records[lines[0]["trial_id"]] = lines
     return records
-
-
-def saved_trials(exp_dir: Path) -> dict[str, tuple[str, float]]:
-    """Trial id -> (status, step of its last result) as Tune last saved them for a resume, from
-    the newest `experiment_state-*.json` (a file still being copied raises JSONDecodeError)."""
-    files = sorted(exp_dir.glob("experiment_state-*.json"))
-    if not files:
-        return {}
-    saved = {}
-    for trial_json, meta_json in json.loads(files[-1].read_text())["trial_data"]:
-        trial, meta = json.loads(trial_json), json.loads(meta_json)
-        saved[trial["trial_id"]] = (trial["status"], (meta.get("last_result") or {}).get("step", 0.0))
-    return saved
-
-
-def kill_when(args: list[str], ready: Callable[[], bool], what: str) -> None:
-    """Start a sweep driver and SIGKILL it (and the local Ray it started) once `ready()` holds.
-    `ready` reads the files the driver writes while the driver is stopped (SIGSTOP), so that
-    they cannot change between the check and the kill."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    driver = subprocess.Popen(
-        args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if driver.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
-                    f"the sweep {'ended' if driver.poll() is not None else 'timed out'} before {what}"
-                )
-            os.kill(driver.pid, signal.SIGSTOP)
-            try:
-                if ready():
-                    break
-            except (json.JSONDecodeError, pickle.UnpicklingError, EOFError):  # a file half copied
-                pass
-            os.kill(driver.pid, signal.SIGCONT)
-            time.sleep(0.5)  # poll again
-    finally:  # the driver and the local Ray it started, by id, all gone before a resume
-        kill_sweep(driver)
-        driver.wait(timeout=30)
 
 
 def kill_when_interrupted(args: list[str], exp_dir: Path, steps: int, every: int) -> dict:

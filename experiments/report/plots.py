@@ -32,9 +32,9 @@ FINAL = "#d62728"  # tab:red: the completed trials' final losses, in every plot
 
 
 def figure_factory() -> Any:
-    """A function making (figure, axes) on the Agg canvas (`ncols` > 1: a row of axes sharing
-    y). Called before anything is written, so that a missing matplotlib is one UserError and no
-    half report."""
+    """A function making (figure, axes) on the Agg canvas (`ncols` > 1: a row of axes, sharing
+    y unless told not to). Called before anything is written, so that a missing matplotlib is
+    one UserError and no half report."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -44,10 +44,10 @@ def figure_factory() -> Any:
             "run: pip install 'gptrun[report]'"
         ) from None
 
-    def make(width: float = 8.0, height: float = 5.0, ncols: int = 1) -> tuple[Any, Any]:
+    def make(width: float = 8.0, height: float = 5.0, ncols: int = 1, sharey: bool = True) -> tuple[Any, Any]:
         fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
         FigureCanvasAgg(fig)
-        axes = list(fig.subplots(1, ncols, sharey=True, squeeze=False)[0])
+        axes = list(fig.subplots(1, ncols, sharey=sharey, squeeze=False)[0])
         return fig, axes[0] if ncols == 1 else axes
 
     return make
