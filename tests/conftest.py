@@ -123,7 +123,7 @@ def study_values(url: str, name: str) -> dict[str, tuple[str, float | None, dict
 
 
 def load_local_module() -> Any:
-    """cluster/local.py as a module (it is a script, not a package): its /proc helpers, and its
+    """cluster/local.py as a module (it is a script, not a package): its process helpers, and its
     argument checks without the shell wrapper's seconds of `import ray`."""
     spec = importlib.util.spec_from_file_location("gptrun_cluster_local", REPO / "cluster" / "local.py")
     module = importlib.util.module_from_spec(spec)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from experiments import cluster
@@ -243,12 +244,12 @@ class LocalCluster:
         )
 
     def pids(self, nodes: list[dict[str, Any]] | None = None) -> list[int]:
-        return [p for n in (nodes or self.state["nodes"]) for p in self.local.session_pids(n)]
+        return [p.pid for n in (nodes or self.state["nodes"]) for p in self.local.session(n)]
 
     def kill_everything(self, nodes: list[dict[str, Any]]) -> None:
         """Teardown of last resort, by recorded session only."""
         for node in nodes:
-            self.local.signal_all(self.local.session_pids(node), signal.SIGKILL)
+            self.local.stop_node(node, 5.0, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -491,11 +492,9 @@ def third_node(two_nodes: LocalCluster, monkeypatch: Any, name: str, wrap: list[
     """A third node whose `ray start` runs under the command `wrap` (which execs what follows
     it), started from a copy of the state (`down` never hears of it) and stopped on the way out."""
     local = two_nodes.local
-    plain = local.ray_command()
-    monkeypatch.setattr(local, "ray_command", lambda: [*wrap, *plain])
+    monkeypatch.setattr(local, "RAY", [*wrap, *local.RAY])
     node = local.start_node(two_nodes.dir, two_nodes.state, name, 1, 0)
     try:
-        local.wait_started(node, 60)
         wait_for(lambda: "alive: 3 node(s)" in local_sh("status", state=two_nodes.dir).stdout, 60, "3 nodes")
         yield
     finally:
@@ -632,7 +631,8 @@ def assert_down_leaves_no_process(lc: LocalCluster) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no process left" in proc.stdout
     assert lc.pids(nodes) == []
-    for node in nodes:  # the recorded leaders are gone, not just their sessions
-        assert lc.local.proc_stat(node["pid"]) is None
+    for node in nodes:  # the recorded leaders are gone (or zombies: exited), not just their sessions
+        with contextlib.suppress(psutil.NoSuchProcess):
+            assert psutil.Process(node["pid"]).status() == psutil.STATUS_ZOMBIE
     assert not Path(lc.dir / "state.json").exists()
     assert local_sh("status", state=lc.dir).returncode == 1
