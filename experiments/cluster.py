@@ -273,6 +273,12 @@ def _resolve_auto() -> str:
         raise UserError(f"--address auto: {first}") from None
 
 
+def check_address(address: str | None) -> None:
+    """One line, before anything runs, for an address that is neither 'auto' nor host:port."""
+    if address not in (None, "auto"):
+        _split_address(address)
+
+
 def _split_address(address: str) -> tuple[str, int]:
     hostport = address.removeprefix("ray://")
     host, _, port = hostport.rpartition(":")

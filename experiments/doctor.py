@@ -14,7 +14,7 @@ import platform
 import time
 from typing import Any
 
-from experiments.cluster import ask_each_node, node_names, resolve_address, versions
+from experiments.cluster import ask_each_node, check_address, node_names, resolve_address, versions
 from experiments.private_optuna import FENCED as OPTUNA_NAMES
 from experiments.private_ray import FENCED as RAY_NAMES
 from gptcore.errors import first_line
@@ -67,6 +67,8 @@ def run_doctor(address: str | None) -> int:
     import optuna
     import torch
 
+    address = resolve_address(address)
+    check_address(address)  # a malformed one is refused before the probes, not after
     here = versions()
     cuda = f", CUDA {torch.version.cuda}: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     print(f"python {platform.python_version()}, gptrun {here['gptrun']}, torch {torch.__version__}{cuda}")
@@ -78,7 +80,6 @@ def run_doctor(address: str | None) -> int:
     line, problem = compile_probe()
     print(line)
     problems += [problem] if problem else []
-    address = resolve_address(address)
     if address is not None:
         problems += cluster_problems(address, here)
     for problem in problems:

@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from experiments import cluster, doctor, private_ray
+from experiments.cli import main
 from gptcore.errors import UserError
 from gptcore.fence import Private, missing, require
 from tests.conftest import run_cli
@@ -63,6 +64,15 @@ def test_doctor_fails_in_one_line_per_missing_name(monkeypatch, capsys):
     problems = [line for line in out.splitlines() if line.startswith("problem:")]
     assert problems == [f"problem: {GONE.problem()}"]
     assert f"{len(doctor.fenced()) - 1}/{len(doctor.fenced())} present" in out
+
+
+def test_a_malformed_address_is_refused_before_the_probes(monkeypatch, capsys):
+    probed: list[str] = []
+    monkeypatch.setattr(doctor, "compile_probe", lambda: probed.append("compile") or ("", None))
+    assert main(["doctor", "--address", "not an address"]) == 2
+    err = capsys.readouterr().err
+    assert "is not 'auto', 'host:port'" in err and len(err.strip().splitlines()) == 1, err
+    assert probed == []
 
 
 def test_doctor_passes_here():
