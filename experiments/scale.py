@@ -427,6 +427,9 @@ def predict_cli(series: str, *, flops: float | None, gpu_hours: float | None, gp
     f = forecast(finished_runs(results), total, [(n, per_token) for _, n, per_token in sizes])
     for line in f.describe():
         print(line)
+    note = passes_note(cfg, f.tokens, results)
+    if note:
+        print(f"  {note}")
     width = next(w for w, n, _ in sizes if n == f.params)
     target = run_config(cfg, width, f.tokens)
     tokens = target.train.max_tokens
@@ -438,6 +441,27 @@ def predict_cli(series: str, *, flops: float | None, gpu_hours: float | None, gp
     print(f"config for d_model={width} ({f.params:,.0f} params, {tokens:,} tokens) written to {out}")
     print(f"train it: gptrun train {out}")
     return 0
+
+
+def passes_note(cfg: RayExperiment, tokens: float, results: list[dict[str, Any]]) -> str | None:
+    """A note when a forecast's tokens are more passes over the training split than any run of
+    the series made: repeated tokens are worth less than new ones, which the law fitted on the
+    series does not know (the check in docs/scaling.md missed by that). None when they are not,
+    or when the data is not on this machine (it may live on the cluster only)."""
+    from gptcore.data import TokenData
+
+    try:
+        train = TokenData(cfg.data.dir).meta["splits"]["train"]["tokens"]
+    except UserError:
+        return None
+    passes, seen = tokens / train, max(r["tokens"] for r in results) / train
+    if passes <= max(1.0, seen):
+        return None
+    return (
+        f"note: D is {passes:.1f} passes over the training split of {cfg.data.dir} ({train:,} tokens), "
+        f"the series' runs made at most {seen:.1f}: repeated tokens are worth less than new ones, "
+        "and the law does not know it"
+    )
 
 
 def draw_series(exp_dir: Path, results: list[dict[str, Any]], iso: Any, loss_fit: Any, f: Any = None) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from experiments.cli import main
 from experiments.ray_config import load_experiment
-from experiments.scale import plan_series, read_results, width_config
+from experiments.scale import passes_note, plan_series, read_results, width_config
 from gptcore.model import GPT
 from tests.conftest import REPO, kill_when, run_cli, saved_trials, tiny_config_text
 
@@ -86,6 +86,17 @@ def test_predict_needs_a_series_and_a_budget(tmp_path, capsys):
     assert "not a series" in one_line_error(capsys, str(tmp_path), "--predict", "--flops", "1e12")
 
 
+def test_a_forecast_past_the_data_says_how_many_passes(tiny_data, tmp_path):
+    """tiny_data's training split is 13,549 tokens."""
+    cfg = load_experiment(series_config(tiny_data, tmp_path))
+    note = passes_note(cfg, 40_000, [{"tokens": 8_000}])
+    assert note is not None and "3.0 passes" in note and "at most 0.6" in note, note
+    assert passes_note(cfg, 10_000, [{"tokens": 8_000}]) is None  # under one pass
+    assert passes_note(cfg, 20_000, [{"tokens": 27_098}]) is None  # no more than the series made
+    missing = load_experiment(series_config(tmp_path / "elsewhere", tmp_path / "b"))
+    assert passes_note(missing, 40_000, [{"tokens": 8_000}]) is None
+
+
 def test_a_killed_series_resumes_then_fits_and_forecasts(tiny_data, tmp_path):
     """Nine runs on Ray, each to its own length. The driver is SIGKILLed once Tune has saved two
     ended runs; the same command finishes the series without training those again, and fits it.
@@ -121,6 +132,6 @@ def test_a_killed_series_resumes_then_fits_and_forecasts(tiny_data, tmp_path):
     assert target.optim.lr == pytest.approx(3e-3) and target.model.mup_base_width == 64
     model = GPT(target.model)
     assert target.train.max_tokens == pytest.approx(8e9 / model.flops_per_token(), rel=0.05)
-    assert f"gptrun train {written[0]}" in proc.stdout
+    assert f"gptrun train {written[0]}" in proc.stdout and "passes over the training split" in proc.stdout
     forecast = json.loads(written[0].with_suffix(".json").read_text())
     assert forecast["loss"]["low"] <= forecast["loss"]["value"] <= forecast["loss"]["high"], forecast
