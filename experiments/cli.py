@@ -463,7 +463,7 @@ def _confirm_command(sub: Subcommands) -> None:
         "confirm",
         help="re-run the best configs with new seeds: what is noise",
         description="Re-run the K best completed trials of a sweep with S new "
-        "seeds at full budget, report mean +- std for each and whether "
+        "seeds at full length, report mean +- std for each and whether "
         "the best is separated from the runner-up (Welch t-test). "
         "Writes EXPERIMENT_DIR/noise.json; `gptrun report` shows it. "
         "Killed, the same command resumes it.",

@@ -2,7 +2,7 @@
 
 A sweep runs every config once, with one seed, so its winner is partly luck: the best of N noisy
 draws. Confirm re-runs the K best trials (completed ones first, see `experiments.outcome.ranked`) with S new
-seeds (`train.seed + 1 .. + S`, new weight init and data order) at full budget, as a Tune
+seeds (`train.seed + 1 .. + S`, new weight init and data order) at full length, as a Tune
 experiment in `EXPERIMENT/confirm/` (a grid over candidate x seed; killed, it resumes like a
 sweep), and writes `EXPERIMENT/noise.json`:
 
@@ -105,7 +105,7 @@ def confirm(exp_dir: Path, cfg: RayExperiment, plan: dict[str, Any], *, restart:
     n_runs = len(plan["candidates"]) * len(plan["seeds"])
     print(
         f"confirm {conf_dir}: {len(plan['candidates'])} configs x seeds {plan['seeds']} = "
-        f"{n_runs} runs at full budget{' (resuming)' if restore else ''}"
+        f"{n_runs} runs at full length{' (resuming)' if restore else ''}"
     )
     with room_for(trial_bundles(cfg), width, "one run", None):
         verify_trial_nodes(cfg.data.dir)

@@ -1,7 +1,7 @@
 """An experiment folder: the files that make a folder a gptrun sweep (or a confirm run inside
 one), in one place for the code that writes them and the code that reads them back.
 
-    gptrun.toml    the base config                 sweep.json    how to resume it (width, budget)
+    gptrun.toml    the base config                 sweep.json    how to resume it (width, trial length)
     optuna.db      the Optuna study (sqlite)        events.jsonl  trial starts, ends, ASHA stops
     runs/          Ray Train runs of DDP trials     best.toml     the winner, ready to train
     <trial dirs>   Tune's, one per trial (results and, for 1-worker trials, checkpoints)
@@ -28,7 +28,7 @@ EVENTS_FILE, BEST_FILE, RUNS_DIR = "events.jsonl", "best.toml", "runs"
 
 
 def start_experiment(exp_dir: Path, cfg: RayExperiment, meta: dict[str, Any]) -> None:
-    """Write the base config and `sweep.json` (how to resume, and the per-trial budget that tells
+    """Write the base config and `sweep.json` (how to resume, and a trial's length in tokens, which tells
     completed trials from stopped ones)."""
     exp_dir.mkdir(parents=True, exist_ok=True)
     save(exp_dir, CONFIG_FILE, cfg.to_toml())
@@ -90,7 +90,7 @@ def load_base(exp_dir: Path) -> tuple[RayExperiment, dict[str, Any]]:
 
 def read_meta(exp_dir: Path) -> dict[str, Any]:
     """The experiment's `sweep.json`; one line if it is not a JSON object, or has no per-trial
-    token budget (which tells completed trials from stopped ones): a damaged folder."""
+    length in tokens (which tells completed trials from stopped ones): a damaged folder."""
     path = exp_dir / META_FILE
     meta = parse_meta(path.read_text(), path)
     if not (isinstance(meta.get("trial_tokens"), int) and meta["trial_tokens"] > 0):

@@ -3,7 +3,7 @@ warm starts share (a light module: the report imports it without Ray's Tuner or 
 
 Each trial of a sweep ends with one status:
 
-    completed      trained its full token budget
+    completed      trained its full length
     stopped early  ASHA stopped it at a rung
     cut by budget  the sweep's budget (`sweep.budget`, wall-clock or tokens) ended it
     diverged       its loss became NaN or infinite

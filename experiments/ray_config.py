@@ -47,7 +47,7 @@ class SweepConfig:
     reduction_factor: int = 2
     storage_url: str = ""  # Optuna RDB; "" means sqlite in the experiment folder
     confirm_top: int = 0  # after the search, re-run the K best configs (0: no noise check) ...
-    confirm_seeds: int = 3  # ... with this many new seeds each, at full budget
+    confirm_seeds: int = 3  # ... with this many new seeds each, at full length
     # TPE for trials that run at once: one model of all parameters (multivariate), trials still
     # running counted as bad guesses so that K trials asked together spread out (constant liar),
     # a conditional space (include_zero) modelled in groups (with multivariate). All false:

@@ -26,7 +26,7 @@ one that works with tied embeddings), as microsoft/mup's MuReadout / MuSharedRea
   output_mult, default 1) scales the logits at the base width: a hyperparameter that µP
   transfers like the learning rate, worth searching on the proxy. GPT-2's init gives small
   logits (0.02 x sqrt(d_model) at init), and under SP they grow with width, which is much of
-  why a wider SP model trains faster on a short budget; µP keeps the base width's scale, so
+  why a wider SP model trains faster in a short run; µP keeps the base width's scale, so
   that scale is best tuned there (benchmarks/mup_transfer.py measures it).
 - Attention: µP's rule is q.k / d_head rather than / sqrt(d_head), so that attention logits
   do not grow as d_head grows. Here widths grow by adding heads (d_ff and n_head scale with

@@ -209,7 +209,7 @@ def test_sweep_reruns_its_best_configs_with_new_seeds(finished_sweep: Path) -> N
     completed = [t for t in load_trials(finished_sweep) if t["status"] == "completed"]
     assert noise["sweep_completed"] == len(completed)  # the figures are tested by hand above
 
-    confirm_trials = load_trials(finished_sweep / "confirm")  # full budget, nothing stopped
+    confirm_trials = load_trials(finished_sweep / "confirm")  # full length, nothing stopped
     assert len(confirm_trials) == 4 and {t["status"] for t in confirm_trials} == {"completed"}
     log = (finished_sweep.parent.parent / "sweep.log").read_text()
     assert "confirm" in log and "Welch p =" in log and "seed noise: std" in log
