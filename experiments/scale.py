@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,27 @@ def print_series(runs: list[SeriesRun]) -> None:
     print(f"{len(runs)} runs, {total:,} tokens, {sum(r.flops for r in runs):.3g} FLOPs in all")
 
 
+def price_series(cfg: RayExperiment, runs: list[SeriesRun], cpus: float, gpus: float) -> None:
+    """What the series will cost, as `gptrun plan` prices a sweep: each width's throughput
+    measured by a short probe here, each run's tokens at it plus a trial's start-up, the runs
+    scheduled longest first on as many slots as the cluster fits at once."""
+    from experiments.plan import LEAN_STARTUP_S, PROBE_STEPS, probe_tokens_per_sec
+    from experiments.sizing import concurrency
+    from gptcore.durations import duration
+
+    speed = {w: probe_tokens_per_sec(width_config(cfg, w)) for w in sorted({r.width for r in runs})}
+    seconds = sorted((r.tokens / speed[r.width] + LEAN_STARTUP_S for r in runs), reverse=True)
+    slots = [0.0] * max(1, concurrency(cfg, cpus, gpus))
+    for s in seconds:  # each run to the slot that frees first
+        slots[slots.index(min(slots))] += s
+    rates = ", ".join(f"d{w} {v:,.0f}" for w, v in speed.items())
+    print(f"tokens/s per run (measured: {PROBE_STEPS} steps here): {rates}")
+    print(
+        f"~{duration(max(slots))} wall-clock, {len(slots)} runs at a time "
+        f"({cpus:g} CPU / {gpus:g} GPU), ~{sum(seconds) / 3600:.2f} run-hours"
+    )
+
+
 def read_results(exp_dir: Path) -> list[dict[str, Any]]:
     """Each planned run with its final validation loss (NaN until it finished: still running,
     diverged, refused or failed) and its status, from Tune's saved state."""
@@ -230,6 +252,10 @@ def scale_cli(
     runs = plan_series(cfg)
     print_series(runs)
     if plan_only:
+        import torch
+
+        cpus = (os.cpu_count() or 1) + local_extra_cpus(cfg)
+        price_series(checked_for_workers(cfg), runs, cpus, float(torch.cuda.device_count()))
         return 0
     cfg = checked_for_workers(cfg)
     storage = check_storage(storage, SERIES_DIR)

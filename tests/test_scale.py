@@ -38,12 +38,14 @@ def one_line_error(capsys: pytest.CaptureFixture, *args: str) -> str:
     return err
 
 
-def test_plan_counts_sizes_and_tokens_as_documented(tmp_path, capsys):
+def test_plan_counts_sizes_and_tokens_as_documented_and_prices_them(tiny_data, tmp_path, capsys):
     """Budgets are geometric; N is the matmul weights of the model built at that width; every
-    run's tokens spend its budget at its FLOPs per token, to the nearest whole step."""
-    config = series_config(tmp_path / "no-data", tmp_path)
+    run's tokens spend its budget at its FLOPs per token, to the nearest whole step. The price
+    comes from each width's measured throughput."""
+    config = series_config(tiny_data, tmp_path)
     assert main(["scale", str(config), "--plan"]) == 0
-    assert "9 runs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "9 runs" in out and "tokens/s per run (measured" in out and "wall-clock" in out, out
     cfg = load_experiment(config)
     runs = plan_series(cfg)
     assert [r.flops for r in runs[::3]] == pytest.approx([5e8, 1e9, 2e9])
@@ -56,10 +58,12 @@ def test_plan_counts_sizes_and_tokens_as_documented(tmp_path, capsys):
     assert len({r.run for r in runs}) == 9
 
 
-def test_the_shipped_series_plans(capsys):
+def test_the_shipped_series_plans_and_needs_its_data_to_price(capsys):
+    """Its runs are listed from the config alone; the price measures them, on the data."""
     config = REPO / "experiments" / "configs" / "scale-series.toml"
-    assert main(["scale", str(config), "--plan"]) == 0
-    assert "15 runs" in capsys.readouterr().out
+    assert main(["scale", str(config), "--plan", "--set", 'data.dir="/nonexistent"']) == 2
+    out, err = capsys.readouterr()
+    assert "15 runs" in out and "gptrun prepare" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(
