@@ -145,7 +145,7 @@ def _curve(tid: str, losses: dict[int, float]) -> list[dict[str, Any]]:
     return [{"trial_id": tid, "tokens": float(k * K), "val_loss": v} for k, v in losses.items()]
 
 
-def test_common_budget_on_trials_stopped_at_different_rungs() -> None:
+def test_common_token_count_of_trials_stopped_at_different_rungs() -> None:
     """The default budget is the largest token count every trial that finished reached (here
     ASHA's first rung, 100k); each compared trial's loss is its last evaluation at or before
     it, not its final loss; diverged and failed trials are not compared; a running trial is once
@@ -214,7 +214,7 @@ def _made_up_sweep(n: int, seed: int = 0) -> tuple[list[dict[str, Any]], list[di
     return trials, curves
 
 
-def test_analysis_study_values_trials_at_the_common_budget() -> None:
+def test_analysis_study_values_trials_at_the_common_token_count() -> None:
     space = parse_space(load_experiment(QUICKSTART))
     trials, curves = _made_up_sweep(8)
     common = common_tokens(trials, curves)
