@@ -170,12 +170,14 @@ def price_series(cfg: RayExperiment, runs: list[SeriesRun], cpus: float, gpus: f
     """What the series will cost, as `gptrun plan` prices a sweep: each width's throughput
     measured by a short probe here, each run's tokens at it plus a trial's start-up, the runs
     scheduled longest first on as many slots as the cluster fits at once."""
-    from experiments.plan import LEAN_STARTUP_S, PROBE_STEPS, probe_tokens_per_sec
-    from experiments.sizing import concurrency
+    from experiments.plan import DDP_STARTUP_S, LEAN_STARTUP_S, PROBE_STEPS, probe_tokens_per_sec
+    from experiments.sizing import concurrency, is_lean
     from gptcore.durations import duration
 
-    speed = {w: probe_tokens_per_sec(width_config(cfg, w)) for w in sorted({r.width for r in runs})}
-    seconds = sorted((r.tokens / speed[r.width] + LEAN_STARTUP_S for r in runs), reverse=True)
+    workers = cfg.resources.workers  # a DDP run: one worker probed, its rate times the workers
+    speed = {w: probe_tokens_per_sec(width_config(cfg, w)) * workers for w in sorted({r.width for r in runs})}
+    startup = LEAN_STARTUP_S if is_lean(cfg) else DDP_STARTUP_S
+    seconds = sorted((r.tokens / speed[r.width] + startup for r in runs), reverse=True)
     slots = [0.0] * max(1, concurrency(cfg, cpus, gpus))
     for s in seconds:  # each run to the slot that frees first
         slots[slots.index(min(slots))] += s
