@@ -455,6 +455,7 @@ USES = {
     "train_local": "train",
     "spawn": "train",  # torch.multiprocessing.spawn: DDP ranks on CPU
     "coord_check": "train",  # µP's coordinate check trains 96 small models
+    "price_series": "train",  # `gptrun scale --plan` trains a few steps per width
     "train_on_ray": "ray",
     "ray_session": "ray",  # a Ray of the command's own (gptrun's `ray.init`)
     "SIGKILL": "system",  # kill-and-resume tests

@@ -14,7 +14,7 @@ import pytest
 
 from experiments.cli import main
 from experiments.ray_config import load_experiment
-from experiments.scale import passes_note, plan_series, read_results, width_config
+from experiments.scale import passes_note, plan_series, price_series, read_results, width_config
 from gptcore.model import GPT
 from tests.conftest import REPO, kill_when, run_cli, saved_trials, tiny_config_text
 
@@ -38,15 +38,10 @@ def one_line_error(capsys: pytest.CaptureFixture, *args: str) -> str:
     return err
 
 
-def test_plan_counts_sizes_and_tokens_as_documented_and_prices_them(tiny_data, tmp_path, capsys):
+def test_plan_counts_sizes_and_tokens_as_documented(tmp_path):
     """Budgets are geometric; N is the matmul weights of the model built at that width; every
-    run's tokens spend its budget at its FLOPs per token, to the nearest whole step. The price
-    comes from each width's measured throughput."""
-    config = series_config(tiny_data, tmp_path)
-    assert main(["scale", str(config), "--plan"]) == 0
-    out = capsys.readouterr().out
-    assert "9 runs" in out and "tokens/s per run (measured" in out and "wall-clock" in out, out
-    cfg = load_experiment(config)
+    run's tokens spend its budget at its FLOPs per token, to the nearest whole step."""
+    cfg = load_experiment(series_config(tmp_path / "no-data", tmp_path))
     runs = plan_series(cfg)
     assert [r.flops for r in runs[::3]] == pytest.approx([5e8, 1e9, 2e9])
     per_step = 4 * 32
@@ -56,6 +51,15 @@ def test_plan_counts_sizes_and_tokens_as_documented_and_prices_them(tiny_data, t
         assert run.heads == run.width // 32 and run.tokens % per_step == 0
         assert abs(run.tokens - run.flops / run.flops_per_token) <= per_step / 2
     assert len({r.run for r in runs}) == 9
+
+
+def test_plan_prices_the_series_from_each_widths_measured_throughput(tiny_data, tmp_path, capsys):
+    """What `--plan` prints after the runs: a few steps trained per width (the `train` tier)."""
+    cfg = load_experiment(series_config(tiny_data, tmp_path))
+    price_series(cfg, plan_series(cfg), cpus=2, gpus=0)
+    out = capsys.readouterr().out
+    assert "tokens/s per run (measured: 8 steps here): d32 " in out and ", d96 " in out, out
+    assert "wall-clock, 2 runs at a time (2 CPU / 0 GPU)" in out, out
 
 
 def test_the_shipped_series_plans_and_needs_its_data_to_price(capsys):
