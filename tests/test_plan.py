@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.cli import build_parser, finite
+from experiments.cli import build_parser, finite, main
 from experiments.ray_config import load_experiment
 from experiments.sizing import asha_rungs, concurrency, expected_tokens, trial_bundles, trial_resources
 from experiments.space import parse_space
@@ -32,19 +32,24 @@ def test_asha_rungs_and_expected_tokens():
     assert expected_tokens(2, [500, 1000], 2) == 1500
 
 
-def test_plan_prints_the_cost_and_warns_over_budget(tiny_data, tmp_path):
+def test_plan_prints_the_cost_and_warns_over_budget(tiny_data, tmp_path, capsys):
+    """The measured probe as a user runs it; the rest in this process (the subprocesses cost
+    seconds each, which the fast tier does not have)."""
     config = write_sweep_config(tiny_data, tmp_path, n=6, max_steps=24)
     proc = run_cli("plan", str(config), "--cpus", "4", "--gpus", "0")
     assert proc.returncode == 0, proc.stderr
     # A 1-worker trial trains in its own Tune process with 1 CPU: 4 CPUs hold 4 trials.
     assert "6, 4 at a time" in proc.stdout and "measured" in proc.stdout
     assert "ASHA rungs   768, 2,304, 3,072 tokens" in proc.stdout
-    proc = run_cli("plan", str(config), "--tokens-per-sec", "10", "--set", 'sweep.budget="1m"')
-    assert proc.returncode == 0 and "warning: the plan needs" in proc.stdout
-    proc = run_cli("plan", str(config), "--tokens-per-sec", "10", "--set", 'sweep.budget="61440 tokens"')
-    assert proc.returncode == 0, proc.stderr  # 20 trials of 3,072 tokens; ASHA's 6 need fewer
-    assert "budget       61440 tokens (20.0 full trials' worth): fits (" in proc.stdout, proc.stdout
-    assert_user_error(run_cli("plan", str(config), "--cpus", "0.5"), "one trial needs")
+    assert main(["plan", str(config), "--tokens-per-sec", "10", "--set", 'sweep.budget="1m"']) == 0
+    assert "warning: the plan needs" in capsys.readouterr().out
+    budget = 'sweep.budget="61440 tokens"'  # 20 trials of 3,072 tokens; ASHA's 6 need fewer
+    assert main(["plan", str(config), "--tokens-per-sec", "10", "--set", budget]) == 0
+    out = capsys.readouterr().out
+    assert "budget       61440 tokens (20.0 full trials' worth): fits (" in out, out
+    assert main(["plan", str(config), "--cpus", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "one trial needs" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_trials_may_share_a_gpu() -> None:
