@@ -309,6 +309,13 @@ def run_series(
         )
 
 
+def is_series(exp_dir: Path) -> bool:
+    """Whether a folder holds a `gptrun scale` series (its sweep.json lists the runs)."""
+    from experiments.experiment import META_FILE, read_meta
+
+    return (exp_dir / META_FILE).exists() and "runs" in read_meta(exp_dir)
+
+
 def open_series(series: str) -> tuple[RayExperiment, Path, list[dict[str, Any]]]:
     """A series folder's base config, path and runs with their losses; one line for a folder
     that is not a series."""

@@ -16,7 +16,7 @@ from experiments.cli import main
 from experiments.ray_config import load_experiment
 from experiments.scale import passes_note, plan_series, price_series, read_results, width_config
 from gptcore.model import GPT
-from tests.conftest import REPO, kill_when, run_cli, saved_trials, tiny_config_text
+from tests.conftest import REPO, assert_user_error, kill_when, run_cli, saved_trials, tiny_config_text
 
 MUP = "mup_base_width = 64"
 SCALE = "[scale]\nmin_flops = 5e8\nmax_flops = 2e9\nbudgets = 3\nwidths = [32, 64, 96]\n"
@@ -143,3 +143,7 @@ def test_a_killed_series_resumes_then_fits_and_forecasts(tiny_data, tmp_path):
     assert f"gptrun train {written[0]}" in proc.stdout and "passes over the training split" in proc.stdout
     forecast = json.loads(written[0].with_suffix(".json").read_text())
     assert forecast["loss"]["low"] <= forecast["loss"]["value"] <= forecast["loss"]["high"], forecast
+
+    proc = run_cli("report", str(series))  # a series' report: its runs, fits and plot
+    assert proc.returncode == 0 and "L(N, D) = " in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert_user_error(run_cli("report", str(series), "--out", str(tmp_path / "r")), "drop --out")

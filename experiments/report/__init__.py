@@ -21,17 +21,25 @@ from experiments.report.page import report_page, warm_start_html
 from experiments.report.plots import draw_importance, draw_noise, draw_sweep, figure_factory
 from experiments.report.tables import read_noise, trial_rows, write, write_tables
 from experiments.results import best_config, load_curves, load_trials, print_table
+from experiments.scale import fit_cli, is_series
 from experiments.space import parse_space
 from experiments.study_db import dashboard_command
 from experiments.table import fmt_tokens
 from experiments.warm_start import report_history
 from gptcore.atomic import check_writable_dir
+from gptcore.errors import UserError
 
 
 def report_cli(experiment_dir: str, out: str | None) -> int:
     """Print the table, write every report file into `out` (default EXPERIMENT_DIR/report; for an
     experiment in object storage, NAME-report in the current folder: the report is local)."""
     exp_dir = open_experiment(experiment_dir)  # a URI: its working copy, after a bucket check
+    if is_series(exp_dir):  # a `gptrun scale` series: its runs, fits and plot, in its folder
+        if out:
+            raise UserError(
+                f"{exp_dir} is a series: its report (fits.json, scaling.png) is written in it; drop --out"
+            )
+        return fit_cli(str(exp_dir))
     trials = load_trials(exp_dir)  # UserError for a folder that is not a sweep
     noise = read_noise(exp_dir)  # every file read before any is written
     figure = figure_factory()  # UserError without matplotlib or plotly, before anything is written
@@ -46,9 +54,7 @@ def report_cli(experiment_dir: str, out: str | None) -> int:
     print_table(trials, space, common)
     left = f"; left out (no evaluation by then): {', '.join(common.left_out)}" if common.left_out else ""
     n = len(common.losses)
-    print(
-        f"compared at {fmt_tokens(common.tokens)} tokens (the largest budget all reached): {n} trials{left}"
-    )
+    print(f"compared at {fmt_tokens(common.tokens)} tokens (the most all reached): {n} trials{left}")
 
     rows = trial_rows(trials, common)
     write_tables(rows, curves, out_dir)
