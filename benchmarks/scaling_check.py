@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from experiments.ray_config import load_experiment
-from experiments.scale import candidate_sizes, open_series, run_config
+from experiments.scale import candidate_sizes, forecast_stem, open_series, run_config
 
 GPTRUN = [sys.executable, "-m", "experiments"]
 
@@ -77,7 +77,7 @@ def main() -> None:
     cfg, series, results = open_series(f"{args.storage}/{name}")
     flops = args.factor * max(r["flops"] for r in results)
     gptrun("scale", str(series), "--predict", "--flops", f"{flops:g}")
-    forecast = json.loads((series / f"forecast-{flops:.3g}.json".replace("+", "")).read_text())
+    forecast = json.loads((series / f"{forecast_stem(flops)}.json").read_text())
     widths = {n: w for w, n, _ in candidate_sizes(cfg, [r["width"] for r in results])}
     configs = {}
     for arm, params, tokens in (

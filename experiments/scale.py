@@ -322,15 +322,12 @@ def open_series(series: str) -> tuple[RayExperiment, Path, list[dict[str, Any]]]
     from experiments.experiment import load_base
 
     exp_dir = Path(series).expanduser().resolve()
-    try:
-        cfg, meta = load_base(exp_dir)
-    except UserError:
-        meta = {}
-    if "runs" not in meta:
+    if not is_series(exp_dir):
         raise UserError(
             f"{exp_dir} is not a series folder (no runs in sweep.json); "
             "pass the folder `gptrun scale` printed"
         )
+    cfg, _ = load_base(exp_dir)
     return cfg, exp_dir, read_results(exp_dir)
 
 
@@ -450,6 +447,11 @@ def budget_flops(flops: float | None, gpu_hours: float | None, gpu: str, mfu: fl
     return total
 
 
+def forecast_stem(flops: float) -> str:
+    """The name of a forecast's files in its series (.json, .toml): forecast-4e12."""
+    return f"forecast-{flops:.3g}".replace("+", "")
+
+
 def predict_cli(series: str, *, flops: float | None, gpu_hours: float | None, gpu: str, mfu: float) -> int:
     """The forecast at a budget, printed and saved, and the config that trains it (the series'
     optimizer values: µP carries them to the forecast's width), written like `transfer` writes one."""
@@ -468,7 +470,7 @@ def predict_cli(series: str, *, flops: float | None, gpu_hours: float | None, gp
     width = next(w for w, n, _ in sizes if n == f.params)
     target = run_config(cfg, width, f.tokens)
     tokens = target.train.max_tokens
-    stem = f"forecast-{total:.3g}".replace("+", "")
+    stem = forecast_stem(total)
     save_json(exp_dir, f"{stem}.json", f)
     out = exp_dir / f"{stem}.toml"
     write_text_atomic(out, target.to_toml())
