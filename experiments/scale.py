@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.outcome import FLAGS
 from experiments.ray_config import RayExperiment
 from experiments.space import apply_overrides
 from gptcore.config import run_length
@@ -32,7 +33,6 @@ from gptcore.errors import UserError
 
 SERIES_DIR = "series"  # the default storage of a series: ./series/NAME
 FITS_FILE = "fits.json"
-RUN_FLAGS = ("diverged", "refused", "error")  # a run that ended with one of these has no loss
 
 
 @dataclass(frozen=True)
@@ -202,18 +202,15 @@ def read_results(exp_dir: Path) -> list[dict[str, Any]]:
         run = planned.get(trial.config.get("run"))
         if run is None:
             continue
-        flag = next((f for f in RUN_FLAGS if last.get(f)), "")
+        flag = next((f for f in FLAGS if last.get(f)), "")  # no loss to fit
         done = trial.status == "TERMINATED" and last.get("tokens", 0) >= run["tokens"] and not flag
         ended[run["run"]] = (
             last.get("val_loss", math.nan) if done else math.nan,
             flag or trial.status.lower(),
         )
+    unseen = (math.nan, "not started")
     return [
-        {
-            **r,
-            "loss": ended.get(r["run"], (math.nan, ""))[0],
-            "status": ended.get(r["run"], ("", "not started"))[1],
-        }
+        dict(r, loss=ended.get(r["run"], unseen)[0], status=ended.get(r["run"], unseen)[1])
         for r in planned.values()
     ]
 
