@@ -61,12 +61,14 @@ QUICKSTART = [
 @dataclass(frozen=True)
 class Moment:
     """When to kill a driver: right after the `nth` line matching `line` (a regex), or once a new
-    checkpoint folder is on storage (`checkpoint`), or `after_s` seconds after it started."""
+    checkpoint folder is on storage (`checkpoint`), or once Tune's saved state holds `saved`
+    trials that have reported, or `after_s` seconds after it started."""
 
     name: str
     line: str = ""
     nth: int = 1
     checkpoint: bool = False
+    saved: int = 0
     after_s: float = 0.0
 
 
@@ -146,6 +148,7 @@ class Sweep:
         try:
             while True:
                 if time.monotonic() - start > timeout:
+                    kill_sweep(driver)  # a hung driver too, with the Ray it started
                     raise TimeoutError(f"driver ran past {timeout} s: {''.join(seen[-20:])}")
                 try:
                     line = lines.get(timeout=0.2)
@@ -163,6 +166,8 @@ class Sweep:
                     hit = time.monotonic() - start >= moment.after_s
                 elif moment.checkpoint:
                     hit = bool(self.checkpoints() - checkpoints)
+                elif moment.saved:
+                    hit = self.saved_reporting() >= moment.saved
                 if hit:
                     kill_sweep(driver)
                     break
@@ -209,6 +214,17 @@ class Sweep:
             for info in fs.get_file_info(FileSelector(folder, recursive=True, allow_not_found=True))
             if info.base_name == "checkpoint.pt"
         }
+
+    def saved_reporting(self) -> int:
+        """How many trials Tune's saved state holds with a report (0 while that file is being
+        written, or not there yet)."""
+        from experiments.tune_state import read_tune_trials
+        from gptcore.errors import UserError
+
+        try:
+            return sum(bool(t.last_result) for t in read_tune_trials(self.location))
+        except (UserError, OSError):  # FileNotFoundError included
+            return 0
 
     def rows(self) -> dict[str, list[dict[str, Any]]]:
         """Tune trial id -> every report in its result.json (a line cut short is left out)."""

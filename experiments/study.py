@@ -15,11 +15,18 @@ each trial's life (`experiments.record` says what it holds and why it is the aut
   saw end are not told again (`gptrun resume` ends their Tune trials with the recorded result,
   see `experiments.trial`), a half-told end is finished, and the trials asked after Tune's last
   snapshot are handed to the next new Tune trials, so that they run instead of being dropped,
-  each from the newest checkpoint it wrote under its old Tune trial (`continues`).
+  each from the newest checkpoint it wrote under its old Tune trial (`continues`);
+- it limits how many trials run at once itself (`set_max_concurrency`), from the trials the study
+  and Tune's restored trials say are running. Ray's `ConcurrencyLimiter` keeps its own set of
+  running trials, saved in a file of its own: a kill during an upload to object storage can leave
+  that file older than Tune's trials, and the limiter then drops the end of a trial it does not
+  list (found by CI: a finished trial recorded as "cut by budget") and waits for one it lists
+  that will never end.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ray.tune.search import Searcher
@@ -50,10 +57,20 @@ class StudySearch(OptunaSearch):
         # the Tune trials that ran them, oldest first)
         self._resumed = False  # restored from Tune's saved state (`restore`)
         self._last: dict[str, dict] = {}  # trial id -> its last report (what an error keeps)
+        self._max_concurrent: int | None = None  # trials at once (`set_max_concurrency`)
+        self._live: set[str] = set()  # the Tune trials running now
+
+    def set_max_concurrency(self, max_concurrent: int) -> bool:
+        """Limit the trials at once here: True tells Ray's ConcurrencyLimiter to pass everything
+        through (see the module's docstring for why)."""
+        self._max_concurrent = max_concurrent
+        return True
 
     def suggest(self, trial_id: str) -> dict | str | None:
         import optuna
 
+        if self._max_concurrent and len(self._live) >= self._max_concurrent:
+            return None  # Tune asks again once one ends
         study, trials = optuna_study(self), optuna_trials(self)
         if trial_id not in trials:
             if self._orphans:  # asked by a killed driver after Tune's last snapshot: run it now
@@ -66,17 +83,24 @@ class StudySearch(OptunaSearch):
         params = super().suggest(trial_id)
         trials[trial_id].set_user_attr(TUNE_ID, trial_id)
         trials[trial_id].set_user_attr(CONFIG, params)
+        self._live.add(trial_id)
         return params
 
     def restore(self, checkpoint_path: str) -> None:
-        """Tune's saved searcher (as old as Tune's last snapshot), reconciled to the study."""
+        """Tune's saved searcher (as old as Tune's last snapshot), reconciled to the study and to
+        the trials Tune restored. Those are read from Tune's saved state beside the searcher's
+        (`checkpoint_path`), not from the searcher's own list: the two are separate files, and a
+        kill during their upload to object storage can leave either one newer."""
         super().restore(checkpoint_path)
         import optuna
 
-        study, known = optuna_study(self), optuna_trials(self)
-        self._orphans, self._resumed = [], True  # the saved orphans are as old as the snapshot
-        # The sampler's random state is as old too: it would draw again the values of the
-        # trials asked since (and TPE's random start-up draws from it alone).
+        from experiments.tune_state import read_tune_trials
+
+        restored = {t.trial_id: t.status for t in read_tune_trials(str(Path(checkpoint_path).parent))}
+        study, handles = optuna_study(self), optuna_trials(self)
+        self._orphans, self._resumed, self._live = [], True, set()
+        # The sampler's random state is as old as the snapshot too: it would draw again the
+        # values of the trials asked since (and TPE's random start-up draws from it alone).
         study.sampler.reseed_rng()
         for trial in own_trials(study):
             record = record_of(trial)
@@ -85,9 +109,13 @@ class StudySearch(OptunaSearch):
                 study.tell(trial.number, value, state=optuna.trial.TrialState[state], skip_if_finished=True)
             if record.ended:
                 told_trials(self).add(record.tune_id)
-            elif record.tune_id not in known:
+            elif record.tune_id not in restored:  # asked after Tune's last snapshot
                 earlier = record.continues + [record.tune_id] if record.tune_id else record.continues
                 self._orphans.append((storage_trial_id(trial), earlier))
+            elif restored[record.tune_id] != "TERMINATED":  # Tune runs it on: its reports come here
+                handles[record.tune_id] = optuna.Trial(study, storage_trial_id(trial))
+                self._live.add(record.tune_id)
+            # else Tune ended it untold (the sweep's budget): `close_unfinished` records it
 
     @staticmethod
     def _asked(study: Any) -> int:
@@ -113,6 +141,7 @@ class StudySearch(OptunaSearch):
         self._reported[trial_id] = tokens  # after a resume overwrites the same value
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        self._live.discard(trial_id)
         if trial_id in told_trials(self):  # recorded already: a resume replayed its end
             return
         if trial_id not in optuna_trials(self):

@@ -460,6 +460,7 @@ USES = {
     "ray_session": "ray",  # a Ray of the command's own (gptrun's `ray.init`)
     "SIGKILL": "system",  # kill-and-resume tests
     "kill_sweep": "system",  # the same, through benchmarks/kill_anywhere.py
+    "benchmarks.kill_anywhere": "system",  # its harness (imported: the module's name is loaded)
     "LocalCluster": "system",  # cluster/local.sh's multi-node clusters
     "postgres_server": "system",
     "slurm_cluster": "system",

@@ -38,6 +38,19 @@ def searcher(url: str, num_samples: int = 3):
     return search
 
 
+def save_tune_trials(folder: Path, tune_trials: dict[str, str]) -> None:
+    """Tune's saved trials (id -> status) in the JSON shape of its experiment_state file, in the
+    folder where it keeps its searcher's file."""
+    import json
+
+    trial_data = [
+        [json.dumps({"trial_id": t, "status": s, "config": {}, "relative_logdir": t}), "{}"]
+        for t, s in tune_trials.items()
+    ]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "experiment_state-2026-12-07_00-00-00.json").write_text(json.dumps({"trial_data": trial_data}))
+
+
 @pytest.mark.parametrize(
     "result, cut, status",
     [
@@ -117,7 +130,8 @@ def test_a_resume_reconciles_the_saved_searcher_to_the_study(tmp_path: Path):
     search = searcher(url)
     search.suggest("a")
     search.suggest("b")
-    search.save(str(tmp_path / "searcher.pkl"))  # Tune's snapshot
+    save_tune_trials(tmp_path, {"a": "RUNNING", "b": "RUNNING"})  # Tune's snapshot
+    search.save(str(tmp_path / "searcher.pkl"))
     orphan = search.suggest("c")  # asked after it, then the driver is killed
     search.on_trial_complete("a", {"val_loss": 3.0, "tokens": FULL})
 
@@ -131,3 +145,35 @@ def test_a_resume_reconciles_the_saved_searcher_to_the_study(tmp_path: Path):
     records = read_records(url, "s")
     assert sorted(records) == ["a", "b", "d"]
     assert (records["a"].state, records["a"].final["val_loss"]) == ("COMPLETE", 3.0)
+
+
+def test_a_saved_searcher_older_than_tunes_trials_drops_no_end_and_waits_for_none(tmp_path: Path):
+    """Tune saves its trials and its searcher in separate files; a kill while they are uploaded to
+    object storage can leave the trials newer (CI saw it on the moto server). A trial Tune
+    restores that the saved searcher never asked runs on under its own id (not handed to a new
+    one as well), its reports and end reach the study, and the trials at once are counted from
+    what runs now: Ray's ConcurrencyLimiter, which kept its own stale list, dropped that end and
+    waited for a trial that had ended."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    search = searcher(url, num_samples=4)
+    search.set_max_concurrency(2)
+    search.suggest("a")
+    search.save(str(tmp_path / "searcher.pkl"))  # the searcher's file: as of a alone
+    b = search.suggest("b")
+    assert search.suggest("x") is None  # two running: the limit
+    search.on_trial_complete("a", {"val_loss": 3.0, "tokens": FULL})
+    save_tune_trials(tmp_path, {"a": "TERMINATED", "b": "RUNNING"})  # Tune's, saved later
+
+    resumed = searcher(url, num_samples=4)
+    resumed.set_max_concurrency(2)
+    resumed.restore(str(tmp_path / "searcher.pkl"))
+    resumed.on_trial_result("b", {"val_loss": 4.0, "tokens": 40.0})
+    c = resumed.suggest("c")
+    assert c not in (None, b)  # b runs on under its own id: a new trial is a new config
+    assert resumed.suggest("d") is None  # b and c running: the limit
+    resumed.on_trial_complete("b", {"val_loss": 3.5, "tokens": FULL})
+    assert resumed.suggest("d") is not None
+    records = read_records(url, "s")
+    assert sorted(records) == ["a", "b", "c", "d"]
+    assert (records["b"].state, records["b"].final["val_loss"]) == ("COMPLETE", 3.5)
+    assert records["b"].continues == []
