@@ -4,6 +4,7 @@ session's own gptrun cache; and the hook that sorts every test into its tier."""
 from __future__ import annotations
 
 import dis
+import functools
 import importlib.util
 import inspect
 import json
@@ -490,10 +491,10 @@ def in_tests(func: Any) -> bool:
     return code is not None and Path(code.co_filename).parent == REPO / "tests"
 
 
-def code_uses(code: types.CodeType, namespace: dict[str, Any], seen: set[int]) -> list[tuple[str, str]]:
-    """What `code` loads, in order, as ("name", name) and ("const", string) pairs, then what its
-    nested functions and the functions of this folder it names in `namespace` (its module's
-    globals) load, followed transitively."""
+@functools.cache
+def own_uses(code: types.CodeType) -> tuple[tuple[str, str], ...]:
+    """What `code` and its nested functions load, in order, as ("name", name) and ("const",
+    string) pairs (disassembled once per code object: most tests share helpers and fixtures)."""
     found: list[tuple[str, str]] = []
     for instruction in dis.get_instructions(code):
         value = instruction.argval
@@ -504,9 +505,17 @@ def code_uses(code: types.CodeType, namespace: dict[str, Any], seen: set[int]) -
             found.append(("name", value))
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            found += code_uses(const, namespace, seen)
-    for name in code.co_names:
-        helper = inspect.unwrap(namespace.get(name)) if callable(namespace.get(name)) else None
+            found += own_uses(const)
+    return tuple(found)
+
+
+def code_uses(code: types.CodeType, namespace: dict[str, Any], seen: set[int]) -> list[tuple[str, str]]:
+    """`own_uses(code)`, then what the functions of this folder that it names in `namespace` (its
+    module's globals) load, followed transitively."""
+    found = list(own_uses(code))
+    for kind, name in own_uses(code):
+        helper = namespace.get(name) if kind == "name" else None
+        helper = inspect.unwrap(helper) if callable(helper) else None
         if in_tests(helper) and id(helper.__code__) not in seen:
             seen.add(id(helper.__code__))
             found += code_uses(helper.__code__, helper.__globals__, seen)
