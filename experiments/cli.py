@@ -492,12 +492,19 @@ def _confirm(args: argparse.Namespace) -> int:
 
 
 def _report_command(sub: Subcommands) -> None:
-    p = sub.add_parser("report", help="tables, plots, report.html and best.toml for a sweep")
-    p.add_argument("experiment_dir", help="the sweep's folder, or its URI (s3://bucket/prefix/NAME)")
+    p = sub.add_parser(
+        "report",
+        help="tables, plots, report.html and best.toml for a sweep; the runs and fits of a series",
+    )
+    p.add_argument(
+        "experiment_dir",
+        help="the sweep's folder, or its URI (s3://bucket/prefix/NAME); or a `gptrun scale` series' "
+        "folder (its fits.json and scaling.png are rewritten in it)",
+    )
     p.add_argument(
         "--out",
         default=None,
-        help="where to write (default: EXPERIMENT_DIR/report; for a URI, NAME-report here)",
+        help="where to write (default: EXPERIMENT_DIR/report; for a URI, NAME-report here; not for a series)",
     )
     p.set_defaults(handler=_report)
 
